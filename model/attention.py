@@ -1,0 +1,59 @@
+"""Core attention for the portable spec: causal GQA through `F.scaled_dot_product_attention`.
+
+megatron-core's local `DotProductAttention` allocates its score buffer on
+`torch.cuda.current_device()` (0.16.1, `utils.py:631`), so on CPU we own this component.
+Softmax and both batched GEMMs run in FP32 (the recipe keeps attention internals high precision).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron's core attention: q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np*hn]."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError(
+                "context parallelism is not supported with the portable attention; "
+                "set parallel.context=1 or use the TE spec on GPUs"
+            )
+        if attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"only causal self-attention is supported, got {attn_mask_type}")
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences and attention bias need the TE spec")
+        seq, batch, heads, head_dim = query.shape
+        groups = key.shape[2]
+        # [s, b, n, d] -> [b, n, s, d]; repeat KV heads for GQA.
+        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
+        if groups != heads:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim).to(query.dtype)

@@ -1,0 +1,143 @@
+"""Build the hybrid model from its config and the precision policy."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core.activations import squared_relu
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
+
+from . import compat
+from .config import ModelConfig
+from .specs import portable_layer_spec, te_layer_spec
+from .stack import HybridStack
+
+
+@dataclass
+class BuiltModel:
+    module: torch.nn.Module
+    policy: PrecisionPolicy
+    runtime_state: RuntimePrecisionState
+    backend: str  # "emulated" or "te"
+    spec: str  # "portable" or "te"
+
+
+def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int) -> int:
+    step = multiple * tensor_parallel
+    return -(-vocab_size // step) * step
+
+
+def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                       initialize: bool = True, num_layers_in_first_stage=None,
+                       num_layers_in_last_stage=None) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        mamba_num_heads=cfg.mamba_num_heads,
+        mamba_head_dim=cfg.mamba_head_dim,
+        mamba_state_dim=cfg.mamba_state_dim,
+        mamba_num_groups=cfg.mamba_num_groups,
+        use_mamba_mem_eff_path=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        activation_func=squared_relu,
+        gated_linear_unit=False,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        params_dtype=torch.float32,  # FP32 master weights; GEMMs choose their own precision
+        use_cpu_initialization=True,
+        perform_initialization=initialize,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        num_layers_in_first_pipeline_stage=num_layers_in_first_stage,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_stage,
+        sequence_parallel=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        pipeline_dtype=torch.float32,
+    )
+
+
+def choose_backend(precision: PrecisionConfig) -> tuple[str, str]:
+    """("te" | "emulated", reason). auto picks TE only where its FP4/FP8 GEMMs run natively."""
+    from nvfp4_recipe.te_mapping import te_supports
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    te_ok, why_not = te_supports(precision, capability)
+    if te_ok:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError as exc:
+            te_ok, why_not = False, f"transformer_engine not importable ({exc})"
+    if precision.backend == "te":
+        if not te_ok:
+            raise ValueError(f"precision.backend=te is not available here: {why_not}; "
+                             "use precision.backend=auto or emulated")
+        return "te", "requested"
+    if precision.backend == "emulated" or not te_ok:
+        return "emulated", why_not or "requested"
+    return "te", f"compute capability {capability[0]}.{capability[1]}"
+
+
+def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int,
+                tensor_parallel: int = 1, pipeline_parallel: int = 1, pre_process: bool = True,
+                post_process: bool = True, pg_collection=None, initialize: bool = True,
+                backend: str | None = None, **stage_kwargs) -> BuiltModel:
+    """The megatron-core hybrid model with one layer spec per pattern layer."""
+    cfg.validate()
+    policy = PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
+                             cfg.bf16_last_layers)
+    if backend is None:
+        backend, _ = choose_backend(precision)
+    state = RuntimePrecisionState()
+    decisions = policy.layers()
+    if backend == "te":
+        from nvfp4_recipe.te_mapping import build_te_recipe
+
+        recipe = build_te_recipe(precision)
+        layer_specs = [te_layer_spec(d) for d in decisions]
+        contexts = [partial(compat.te_autocast, recipe) if d.low_precision else nullcontext
+                    for d in decisions]
+        spec_family = "te"
+    else:
+        layer_specs = [portable_layer_spec(d, precision, state) for d in decisions]
+        contexts = None
+        spec_family = "portable"
+    stack_spec = ModuleSpec(
+        module=HybridStack,
+        params={"layer_specs": layer_specs, "layer_kinds": cfg.layer_kinds(),
+                "layer_contexts": contexts},
+    )
+    config = transformer_config(cfg, tensor_parallel=tensor_parallel,
+                                pipeline_parallel=pipeline_parallel, initialize=initialize,
+                                **stage_kwargs)
+    model_cls = compat.hybrid_model_class()
+    extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    module = model_cls(
+        config=config,
+        vocab_size=padded_vocab_size(cfg.vocab_size or vocab_size, cfg.vocab_multiple,
+                                     tensor_parallel),
+        max_sequence_length=cfg.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="none",
+        **compat.hybrid_model_kwargs(stack_spec, cfg.pattern),
+        **extra,
+    )
+    return BuiltModel(module=module, policy=policy, runtime_state=state, backend=backend,
+                      spec=spec_family)

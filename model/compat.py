@@ -1,0 +1,55 @@
+"""Every difference between megatron-core releases, and every CUDA assumption we work around.
+
+One module, each item named (see tests/test_compat.py, which fails if upstream changes):
+1. `hybrid_model_class`: `MambaModel` (<= 0.16, `hybrid_override_pattern`) became `HybridModel`
+   (>= 0.17, `hybrid_layer_pattern`, stack built with `layer_type_list`/`pp_layer_offset`).
+2. `base_stack_class`: the stack we extend (`MambaStack` -> `HybridStack`).
+3. `te_autocast`: `te.fp8_autocast(fp8_recipe=...)` became `te.autocast(recipe=...)` (TE 2.x).
+4. `seed_model_parallel_rng`: megatron's `model_parallel_cuda_manual_seed` reads the CUDA RNG
+   (`random.py:235`, 0.16.1); on CPU we seed torch's RNG per TP rank the same way instead.
+No monkeypatching: each item selects or replaces, it never edits megatron's globals.
+"""
+
+from __future__ import annotations
+
+import inspect
+import torch
+
+
+def hybrid_model_class():
+    try:
+        from megatron.core.models.hybrid import HybridModel  # megatron-core >= 0.17
+
+        return HybridModel
+    except ImportError:
+        from megatron.core.models.mamba import MambaModel  # megatron-core 0.16
+
+        return MambaModel
+
+
+def hybrid_model_kwargs(stack_spec, pattern: str) -> dict:
+    """The constructor keywords that carry the stack spec and the pattern, by release."""
+    params = inspect.signature(hybrid_model_class().__init__).parameters
+    spec_key = "hybrid_stack_spec" if "hybrid_stack_spec" in params else "mamba_stack_spec"
+    pattern_key = "hybrid_layer_pattern" if "hybrid_layer_pattern" in params else "hybrid_override_pattern"
+    return {spec_key: stack_spec, pattern_key: pattern}
+
+
+def te_autocast(recipe):
+    """Transformer Engine's low-precision autocast for one layer (GPU only)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=True, recipe=recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed RNGs as megatron does: a common stream, plus per-TP-rank streams on CUDA."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # On CPU there is nothing more to seed: use_cpu_initialization draws each full master
+    # weight from the common stream (identical on every TP rank) and dropout is 0.

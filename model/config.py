@@ -1,0 +1,71 @@
+"""Typed configuration of the hybrid model (Hydra group `model/`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+LAYER_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a hybrid Mamba-Transformer. One pattern character is one layer."""
+
+    name: str = "demo"
+    # M = Mamba-2, * = self-attention, - = MLP (the Nemotron-H notation).
+    pattern: str = "M-M*-M-M-"
+    hidden_size: int = 256
+    ffn_hidden_size: int = 1024
+    num_attention_heads: int = 8
+    num_query_groups: int = 2
+    kv_channels: int = 32
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 64
+    mamba_state_dim: int = 64
+    mamba_num_groups: int = 2
+    mamba_chunk_size: int = 64
+    # None: the tokenizer's vocabulary, padded to a multiple of `vocab_multiple` x TP.
+    vocab_size: Optional[int] = None
+    vocab_multiple: int = 128
+    max_sequence_length: int = 256
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    # How many leading/trailing pattern layers a low-precision recipe keeps in BF16 by default
+    # for this depth (the paper: first 2 / last 8 at 12B). A precision recipe may override them.
+    bf16_first_layers: int = 1
+    bf16_last_layers: int = 2
+    # "auto": TE layers when Transformer Engine is importable on a GPU, else the portable spec.
+    spec: str = "auto"
+
+    def validate(self) -> None:
+        bad = sorted({c for c in self.pattern if c not in LAYER_SYMBOLS})
+        if not self.pattern or bad:
+            raise ValueError(
+                f"model.pattern={self.pattern!r} has unknown layer character(s) {bad}: use only "
+                "'M' (Mamba-2), '*' (attention) and '-' (MLP), e.g. model.pattern='M-M*-M-M-'"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"model.num_query_groups={self.num_query_groups} (GQA)"
+            )
+        if self.mamba_num_heads % self.mamba_num_groups:
+            raise ValueError(
+                f"model.mamba_num_heads={self.mamba_num_heads} must be a multiple of "
+                f"model.mamba_num_groups={self.mamba_num_groups}"
+            )
+        if self.spec not in ("auto", "portable", "te"):
+            raise ValueError(f"model.spec={self.spec!r}: choose auto, portable or te")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pattern)
+
+    def layer_kinds(self) -> list[str]:
+        return [LAYER_SYMBOLS[c] for c in self.pattern]

@@ -1,0 +1,130 @@
+"""megatron-core tensor-parallel linears whose GEMMs follow a precision decision.
+
+Column- and row-parallel semantics (sharding, TP all-reduces) are megatron's own: we only
+replace `_forward_impl`, the local GEMM. Every GEMM runs on BF16 operands (as on the GPU, where
+activations are BF16 and TE quantizes from them); the low-precision formats quantize those
+operands with the `nvfp4_recipe` emulation. Master weights and their gradients stay FP32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+from .policy import PrecisionConfig, RuntimePrecisionState
+
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def gemm_config_for(fmt: str, cfg: PrecisionConfig):
+    """The emulated-GEMM config of one format under a precision recipe (None for BF16)."""
+    if fmt == "bf16":
+        return None
+    from . import FP8BlockConfig, MXFP4Config, NVFP4Config
+
+    if fmt == "nvfp4":
+        return NVFP4Config(
+            rht=cfg.rht,
+            stochastic_rounding=cfg.stochastic_rounding,
+            weight_2d=cfg.weight_2d,
+            gemm=cfg.gemm,
+        )
+    if fmt == "mxfp4":
+        return MXFP4Config(gemm=cfg.gemm)
+    if fmt == "fp8":
+        return FP8BlockConfig(gemm=cfg.gemm)
+    raise ValueError(f"unknown GEMM format {fmt!r}")
+
+
+class _PrecisionLinearMixin:
+    """The GEMM of a megatron parallel linear, routed by the layer's precision decision."""
+
+    def _init_precision(self, gemm_format: str, gemm_config, runtime_state):
+        self.gemm_format = gemm_format
+        self.gemm_config = gemm_config
+        self.runtime_state = runtime_state or RuntimePrecisionState()
+        # Filled when runtime_state.collect_diagnostics is on: {"activation": {...}, ...}.
+        self.diagnostics: dict[str, dict[str, float]] = {}
+
+    def _active_gemm_config(self):
+        """The config for this call, after the in-run switch to BF16 (None = plain BF16)."""
+        if self.gemm_config is None:
+            return None
+        state = self.runtime_state
+        if state.forward_quantized and state.backward_quantized:
+            return self.gemm_config
+        if not state.forward_quantized and not state.backward_quantized:
+            return None
+        return dataclasses.replace(
+            self.gemm_config,
+            quantize_forward=state.forward_quantized,
+            quantize_backward=state.backward_quantized,
+        )
+
+    def _precision_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        out_dtype = x.dtype
+        x_c, w_c = x.to(COMPUTE_DTYPE), weight.to(COMPUTE_DTYPE)
+        config = self._active_gemm_config()
+        if config is None:
+            out = F.linear(x_c, w_c)
+        else:
+            from . import quantized_linear
+
+            if self.runtime_state.collect_diagnostics:
+                self._record_diagnostics(x_c, w_c, config)
+            out = quantized_linear(x_c, w_c, None, config)
+            if self.runtime_state.collect_diagnostics and out.requires_grad:
+                out.register_hook(lambda g: self._record_gradient(g, config))
+        out = out.to(out_dtype)
+        return out + bias if bias is not None else out
+
+    @torch.no_grad()
+    def _record_diagnostics(self, x, w, config):
+        from . import quantization_error_stats
+
+        self.diagnostics["activation"] = quantization_error_stats(x, config, role="activation")
+        self.diagnostics["weight"] = quantization_error_stats(w, config, role="weight")
+
+    @torch.no_grad()
+    def _record_gradient(self, grad, config):
+        from . import quantization_error_stats
+
+        self.diagnostics["gradient"] = quantization_error_stats(grad, config, role="gradient")
+        return None
+
+
+class PrecisionColumnParallelLinear(_PrecisionLinearMixin, ColumnParallelLinear):
+    def __init__(self, *args, gemm_format: str = "bf16", gemm_config=None, runtime_state=None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_precision(gemm_format, gemm_config, runtime_state)
+
+    def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False,
+                      sequence_parallel=False, **_unused):
+        if sequence_parallel:
+            raise NotImplementedError(
+                "sequence parallelism is not supported with the portable spec's linears"
+            )
+        if allreduce_dgrad:
+            # megatron folds this all-reduce into its own autograd function; we keep its effect.
+            input = copy_to_tensor_model_parallel_region(input, group=self.tp_group)
+        return self._precision_gemm(input, weight, bias)
+
+
+class PrecisionRowParallelLinear(_PrecisionLinearMixin, RowParallelLinear):
+    def __init__(self, *args, gemm_format: str = "bf16", gemm_config=None, runtime_state=None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_precision(gemm_format, gemm_config, runtime_state)
+
+    def _forward_impl(self, input, weight, bias=None, sequence_parallel=False, **_unused):
+        if sequence_parallel:
+            raise NotImplementedError(
+                "sequence parallelism is not supported with the portable spec's linears"
+            )
+        return self._precision_gemm(input, weight, bias)

@@ -1,0 +1,141 @@
+"""The run's typed configuration: one dataclass per Hydra group, composed into `TrainConfig`.
+
+Registered with Hydra's ConfigStore as the schema of `recipes/train.yaml`, so every YAML
+file and command-line override is checked in struct mode: an unknown key or a wrong type
+fails at start-up with the key's full name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+from data.config import DataConfig
+from model.config import ModelConfig
+from nvfp4_recipe.policy import PrecisionConfig
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    # Everything a run writes lives here: config.yaml, train.log, metrics.jsonl,
+    # checkpoints/, wandb/, plan.json. All ranks must agree on it (the default is derived
+    # from the name only, never a timestamp).
+    dir: str = "runs/${run.name}"
+    # auto: continue from the latest complete checkpoint in run.dir if there is one;
+    # never: refuse a run.dir that already holds a run (nothing is overwritten).
+    resume: str = "auto"
+    # Build on the meta device, print and write plan.json, train nothing.
+    dry_run: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    # Layers in the first/last pipeline stage when the pattern does not split evenly.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    sequence: bool = False
+    context: int = 1
+    # gloo on CPU, nccl on GPUs.
+    backend: str = "auto"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    seq_length: int = 256
+    lr: float = 3e-3
+    min_lr: float = 3e-5
+    warmup_steps: int = 20
+    # Warmup-stable-decay: the lr decays over this last fraction of the steps.
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    log_every: int = 1
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 100
+    keep_last: int = 3
+    # What a NaN/Inf loss does: "stop" (exit code 4, no checkpoint) or "skip" the step.
+    on_nan: str = "stop"
+
+
+@dataclass
+class LoggerConfig:
+    # W&B: offline (default, no account needed), online, or disabled.
+    mode: str = "offline"
+    project: str = "nvfp4-pretrain"
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Schemas for `recipes/`: the root and one per group option family."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, node in (("model", ModelConfig), ("precision", PrecisionConfig),
+                        ("data", DataConfig), ("parallel", ParallelConfig),
+                        ("trainer", TrainerConfig), ("logger", LoggerConfig)):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Cross-field checks Hydra's types cannot express; each error names the key and a fix."""
+    cfg.model.validate()
+    t, p = cfg.parallel.tensor, cfg.parallel.pipeline
+    if t < 1 or p < 1 or world_size % (t * p):
+        raise ValueError(
+            f"parallel.tensor={t} x parallel.pipeline={p} must divide the world size "
+            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
+        )
+    dp = world_size // (t * p)
+    tr = cfg.trainer
+    if tr.global_batch_size % (tr.micro_batch_size * dp):
+        raise ValueError(
+            f"trainer.global_batch_size={tr.global_batch_size} must be a multiple of "
+            f"trainer.micro_batch_size={tr.micro_batch_size} x data parallel {dp}"
+        )
+    if tr.seq_length > cfg.model.max_sequence_length:
+        raise ValueError(
+            f"trainer.seq_length={tr.seq_length} exceeds model.max_sequence_length="
+            f"{cfg.model.max_sequence_length}"
+        )
+    if cfg.run.resume not in ("auto", "never"):
+        raise ValueError(f"run.resume={cfg.run.resume!r}: choose auto or never")
+    if cfg.logger.mode not in ("online", "offline", "disabled"):
+        raise ValueError(f"logger.mode={cfg.logger.mode!r}: choose online, offline or disabled")
+    if tr.on_nan not in ("stop", "skip"):
+        raise ValueError(f"trainer.on_nan={tr.on_nan!r}: choose stop or skip")
+    if not 0.0 <= tr.decay_fraction <= 1.0:
+        raise ValueError(f"trainer.decay_fraction={tr.decay_fraction} must be in [0, 1]")
+    if cfg.parallel.sequence:
+        raise ValueError(
+            "parallel.sequence=true is not supported with the portable spec (megatron's torch "
+            "norms refuse sequence parallelism); use the TE spec on GPUs"
+        )
+    if cfg.parallel.context != 1:
+        raise ValueError(
+            f"parallel.context={cfg.parallel.context} is not supported with the hybrid model's "
+            "portable spec; use 1"
+        )

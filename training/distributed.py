@@ -1,0 +1,92 @@
+"""torch.distributed and megatron-core parallel state, for torchrun and for a plain `python`."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    world_size: int
+    rank: int
+    tensor: int
+    pipeline: int
+    data: int
+    tensor_rank: int
+    pipeline_rank: int
+    data_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pipeline_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pipeline_rank == self.pipeline - 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> ParallelContext:
+    """Join the process group torchrun set up (or make a one-process group) and split it."""
+    from megatron.core import parallel_state
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+    world = dist.get_world_size()
+    if world % (tensor * pipeline):
+        raise ValueError(
+            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} does not divide the "
+            f"world size {world}"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline
+        )
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+              else torch.device("cpu"))
+    return ParallelContext(
+        world_size=world,
+        rank=dist.get_rank(),
+        tensor=tensor,
+        pipeline=pipeline,
+        data=parallel_state.get_data_parallel_world_size(),
+        tensor_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        data_rank=parallel_state.get_data_parallel_rank(),
+        device=device,
+    )
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

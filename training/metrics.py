@@ -1,0 +1,108 @@
+"""Where metrics go: one console line per step, metrics.jsonl, and W&B (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger("nvfp4_pretrain")
+
+
+def setup_logging(run_dir: Path, is_main: bool) -> None:
+    """Console (rank 0) plus an appending train.log in the run directory."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(console)
+    if is_main:
+        file = logging.FileHandler(run_dir / "train.log", mode="a")
+        file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        root.addHandler(file)
+    for noisy in ("megatron", "wandb"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--:--"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def status_line(step: int, max_steps: int, m: dict[str, Any], eta_s: float) -> str:
+    width = len(str(max_steps))
+    parts = [
+        f"step {step:0{width}d}/{max_steps}",
+        f"loss {m['loss']:.4f}",
+        f"lr {m['lr']:.2e}",
+        f"grad-norm {m['grad_norm']:.3f}",
+        f"tok/s {m['tokens_per_sec']:,.0f}",
+        f"eta {format_duration(eta_s)}",
+    ]
+    if "val_loss" in m:
+        parts.insert(2, f"val {m['val_loss']:.4f}")
+    if "data/phase" in m:
+        parts.append(f"phase {m['data/phase']}")
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """metrics.jsonl + W&B. Non-main ranks get a sink that does nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, wandb_run=None):
+        self.enabled = enabled
+        self.wandb_run = wandb_run
+        self.path = run_dir / "metrics.jsonl"
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({wandb_key(k): v for k, v in metrics.items()}, step=step)
+
+    def event(self, step: int, name: str, **fields) -> None:
+        log.info(f"event: {name} at step {step} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        self.log(step, {"event": name, **fields})
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def wandb_key(key: str) -> str:
+    """train/... for training values, val/... for validation; data/ and quant/ keep theirs."""
+    if key.startswith(("data/", "quant/", "event")):
+        return key
+    if key.startswith("val_"):
+        return "val/" + key[4:]
+    return "train/" + key
+
+
+def start_wandb(run_dir: Path, mode: str, project: str, entity: Optional[str], name: str,
+                tags: list[str], config: dict, run_id: Optional[str]):
+    """An offline-by-default W&B run in run_dir/wandb, resumed under the same id."""
+    if mode == "disabled":
+        return None
+    import wandb
+
+    wandb_dir = run_dir / "wandb"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(
+        project=project, entity=entity, name=name, tags=list(tags), config=config,
+        dir=str(run_dir), mode=mode, id=run_id, resume="allow" if run_id else None,
+        settings=wandb.Settings(console="off", x_disable_stats=True),
+    )

@@ -1,0 +1,340 @@
+"""The training loop: build everything from the config, step, evaluate, checkpoint, resume."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from data import build_data
+from model.build import build_model, choose_backend
+
+from . import checkpoint as ckpt
+from .config import TrainConfig, validate
+from .distributed import ParallelContext, init_distributed, shutdown
+from .metrics import MetricsSink, setup_logging, start_wandb, status_line
+from .optim import build_optimizer
+
+log = logging.getLogger("nvfp4_pretrain")
+
+
+class ExitCode:
+    """Process exit codes (documented in the README)."""
+
+    OK = 0
+    CONFIG = 2  # an invalid value or combination of values
+    MISSING_DATA = 3  # a data path that does not exist
+    DIVERGED = 4  # NaN/Inf loss with trainer.on_nan=stop
+    RUN_DIR_IN_USE = 5  # run.dir holds a run and run.resume=never
+    PREEMPTED = 75  # SIGTERM/SIGUSR1: checkpointed, resumable (EX_TEMPFAIL)
+
+
+class TrainingError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext):
+        self.cfg, self.ctx = cfg, ctx
+        tr = cfg.trainer
+        self.run_dir = Path(cfg.run.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.tokens_per_step = tr.global_batch_size * tr.seq_length
+        self.total_tokens = tr.max_steps * self.tokens_per_step
+        self.micro_batches = tr.global_batch_size // (tr.micro_batch_size * ctx.data)
+        self.stop_requested: Optional[str] = None
+
+        torch.manual_seed(tr.seed)
+        self.data = build_data(
+            cfg.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
+            global_batch_size=tr.global_batch_size, total_tokens=self.total_tokens,
+            seed=tr.seed, dp_rank=ctx.data_rank, dp_size=ctx.data, show_progress=ctx.is_main,
+        )
+        backend, reason = choose_backend(cfg.precision)
+        self.built = build_model(
+            cfg.model, cfg.precision, vocab_size=self.data.vocab_size,
+            tensor_parallel=ctx.tensor, backend=backend,
+        )
+        self.model = self.built.module.to(ctx.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, tr)
+        # Different stochastic-rounding draws per data-parallel replica, identical otherwise.
+        torch.manual_seed(tr.seed + 1000 * ctx.data_rank + 1)
+
+        self.step = 0
+        self.skipped_steps = 0
+        self.wandb_id: Optional[str] = None
+        self.switched = False
+        self.val_batches = self.data.validation_batches(tr.eval_batches)
+        log.info(f"precision {cfg.precision.name}: {backend} backend ({reason}); "
+                 f"{self.built.policy.first} first / {self.built.policy.last} last layers BF16")
+        log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
+                 f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step")
+
+    # -- state ------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                "data": self.data.train.state_dict(), "wandb_id": self.wandb_id,
+                "skipped_steps": self.skipped_steps, "consumed_tokens": self.consumed_tokens}
+
+    @property
+    def consumed_tokens(self) -> int:
+        return self.step * self.tokens_per_step
+
+    def save(self) -> None:
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            log.error("not writing a checkpoint: the weights contain NaN/Inf")
+            return
+        path = ckpt.save_checkpoint(
+            self.ckpt_root, self.step, self.ctx, model_state=self.model.state_dict(),
+            optimizer_state=self.optimizer.state_dict(), trainer_state=self.state(),
+            keep_last=self.cfg.trainer.keep_last)
+        log.info(f"saved checkpoint {path}")
+
+    def resume(self) -> None:
+        path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path, self.ctx)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        trainer = state["trainer"]
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.data.train.load_state_dict(trainer["data"])
+        self.step, self.wandb_id = trainer["step"], trainer["wandb_id"]
+        self.skipped_steps = trainer["skipped_steps"]
+        if state["rng"] is not None:
+            torch.set_rng_state(state["rng"]["cpu"])
+            if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(state["rng"]["cuda"])
+        log.info(f"resumed from {path} at step {self.step}")
+
+    # -- one step ---------------------------------------------------------------------------
+    def _loss(self, batch: dict) -> torch.Tensor:
+        dev = self.ctx.device
+        tokens, labels = batch["tokens"].to(dev), batch["labels"].to(dev)
+        mask = batch["loss_mask"].to(dev)
+        per_token = self.model(tokens, None, None, labels=labels)
+        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+    def _all_reduce_mean(self, t: torch.Tensor, group) -> torch.Tensor:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+            t /= dist.get_world_size(group)
+        return t
+
+    def _grad_norm(self) -> torch.Tensor:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
+        for p in self.model.parameters():
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                squares += p.grad.float().pow(2).sum()
+        if self.ctx.tensor > 1:
+            dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        return squares.sqrt()
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        from megatron.core import parallel_state
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.ctx.device)
+        for i, batch in enumerate(micro_batches):
+            diagnose = self._diagnostics_due() and i == len(micro_batches) - 1
+            self.built.runtime_state.collect_diagnostics = diagnose
+            loss = self._loss(batch) / len(micro_batches)
+            loss.backward()
+            total += loss.detach()
+        self.built.runtime_state.collect_diagnostics = False
+        dp_group = parallel_state.get_data_parallel_group()
+        if self.ctx.data > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            self._all_reduce_mean(flat, dp_group)
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        loss = self._all_reduce_mean(total, dp_group).item()
+        grad_norm = self._grad_norm().item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            if self.cfg.trainer.on_nan == "stop":
+                raise TrainingError(
+                    f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite; "
+                    "stopping without a checkpoint (trainer.on_nan=skip skips such steps)",
+                    ExitCode.DIVERGED)
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            return StepResult(loss, grad_norm, skipped=True)
+        clip = self.cfg.trainer.grad_clip
+        if clip > 0 and grad_norm > clip:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(clip / (grad_norm + 1e-6))
+        self.optimizer.step()
+        self.scheduler.step()
+        return StepResult(loss, grad_norm, skipped=False)
+
+    def _diagnostics_due(self) -> bool:
+        every = self.cfg.precision.diagnostics_every
+        return every > 0 and (self.step + 1) % every == 0
+
+    def _collect_diagnostics(self) -> dict[str, float]:
+        out = {}
+        for name, module in self.model.named_modules():
+            for role, stats in getattr(module, "diagnostics", {}).items():
+                for stat, value in stats.items():
+                    out[f"quant/{name.removeprefix('decoder.')}/{role}/{stat}"] = float(value)
+            if hasattr(module, "diagnostics"):
+                module.diagnostics = {}
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        from megatron.core import parallel_state
+
+        self.model.eval()
+        losses = torch.stack([self._loss(b) for b in self.val_batches]).mean()
+        return self._all_reduce_mean(losses, parallel_state.get_data_parallel_group()).item()
+
+    def _maybe_switch_precision(self, sink: MetricsSink) -> None:
+        switch = self.cfg.precision.switch_to_bf16
+        if switch.at_fraction is None or self.cfg.precision.format == "bf16":
+            return
+        due = self.consumed_tokens >= switch.at_fraction * self.total_tokens
+        if due and self.built.runtime_state.switched_passes is None:
+            self.built.runtime_state.switched_passes = switch.passes
+            sink.event(self.step, "switch_to_bf16", passes=switch.passes,
+                       consumed_tokens=self.consumed_tokens)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_requested = signal.Signals(signum).name
+        log.warning(f"{self.stop_requested} received: finishing this step, then checkpointing")
+
+    def fit(self) -> int:
+        cfg, tr = self.cfg, self.cfg.trainer
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+        if cfg.run.resume == "auto":
+            self.resume()
+        wandb_run = None
+        if self.ctx.is_main:
+            wandb_run = start_wandb(
+                self.run_dir, cfg.logger.mode, cfg.logger.project, cfg.logger.entity,
+                cfg.run.name, cfg.logger.tags, OmegaConf.to_container(cfg, resolve=True),
+                self.wandb_id)
+            self.wandb_id = wandb_run.id if wandb_run is not None else None
+        sink = MetricsSink(self.run_dir, self.ctx.is_main, wandb_run)
+        if self.step >= tr.max_steps:
+            log.info(f"run already complete ({self.step}/{tr.max_steps} steps)")
+        start_step, t_start = self.step, time.perf_counter()
+        try:
+            while self.step < tr.max_steps:
+                self._maybe_switch_precision(sink)
+                t0 = time.perf_counter()
+                micro_batches = self.data.train.next_global_batch()
+                result = self.train_step(micro_batches)
+                self.step += 1
+                dt = time.perf_counter() - t0
+                metrics = {"consumed_tokens": self.consumed_tokens, "loss": result.loss,
+                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
+                           "tokens_per_sec": self.tokens_per_step / dt,
+                           "skipped_steps": self.skipped_steps,
+                           **self.data.train.metrics()}
+                if self.step % tr.eval_every == 0 or self.step == tr.max_steps:
+                    metrics["val_loss"] = self.evaluate()
+                diagnostics = self._collect_diagnostics()
+                if diagnostics:
+                    metrics.update(diagnostics)
+                    log.info(diagnostics_summary(diagnostics))
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / (self.step - start_step) * (tr.max_steps - self.step)
+                if self.step % tr.log_every == 0 or "val_loss" in metrics:
+                    log.info(status_line(self.step, tr.max_steps, metrics, eta))
+                sink.log(self.step, metrics)
+                if self.stop_requested:
+                    self.save()
+                    sink.event(self.step, "preempted", signal=self.stop_requested)
+                    return ExitCode.PREEMPTED
+                if self.step % tr.save_every == 0 or self.step == tr.max_steps:
+                    self.save()
+        finally:
+            sink.close()
+        return ExitCode.OK
+
+
+def diagnostics_summary(diag: dict[str, float]) -> str:
+    errors = [v for k, v in diag.items() if k.endswith("/rel_error")]
+    zeros = [v for k, v in diag.items() if k.endswith("/zero_frac")]
+    layers = {k.split("/")[1] for k in diag}
+    return (f"quant: {len(layers)} low-precision linears, relative error mean "
+            f"{sum(errors) / max(len(errors), 1):.4f} max {max(errors, default=0):.4f}, "
+            f"flushed-to-zero mean {sum(zeros) / max(len(zeros), 1):.4f}")
+
+
+def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
+    """Create run.dir (rank 0) and keep an existing run's files; write config.yaml once."""
+    run_dir = Path(cfg.run.dir)
+    if ctx.is_main:
+        occupied = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+        if occupied and cfg.run.resume == "never":
+            raise TrainingError(
+                f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
+                "run.dir or set run.resume=auto to continue it", ExitCode.RUN_DIR_IN_USE)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / "config.yaml"
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        if not config_path.exists():
+            config_path.write_text(text)
+        elif config_path.read_text() != text:
+            n = len(list(run_dir.glob("config.resume-*.yaml"))) + 1
+            (run_dir / f"config.resume-{n}.yaml").write_text(text)
+    if dist.is_initialized():
+        dist.barrier()
+    return run_dir
+
+
+def run(cfg) -> int:
+    """Entry point behind train.py: returns the process exit code."""
+    ctx = None
+    try:
+        cfg: TrainConfig = OmegaConf.to_object(cfg)
+        ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
+        validate(cfg, ctx.world_size)
+        if cfg.run.dry_run:
+            from model.plan import dry_run
+
+            return dry_run(cfg, ctx)
+        run_dir = prepare_run_dir(cfg, ctx)
+        setup_logging(run_dir, ctx.is_main)
+        return Trainer(cfg, ctx).fit()
+    except TrainingError as exc:
+        log.error(f"error: {exc}")
+        return exc.code
+    except FileNotFoundError as exc:
+        log.error(f"error: {exc}")
+        return ExitCode.MISSING_DATA
+    except ValueError as exc:
+        log.error(f"error: {exc}")
+        return ExitCode.CONFIG
+    finally:
+        if ctx is not None:
+            shutdown()
