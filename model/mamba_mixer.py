@@ -1,0 +1,589 @@
+"""Mamba-2 mixer with megatron-core's parameter layout, runnable on CPU.
+
+Drop-in for ``megatron.core.ssm.mamba_mixer.MambaMixer`` inside megatron's ``MambaLayer``::
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from model.mamba_mixer import MambaMixer, MambaMixerSubmodules
+
+    mixer_spec = ModuleSpec(
+        module=MambaMixer,
+        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+    )
+
+megatron's own mixer cannot be used here: its module imports ``triton`` and the ``mamba_ssm``
+kernels at import time and its constructor raises without them. This one:
+
+* keeps megatron's parameter names, shapes, TP sharding and distributed-checkpoint layout
+  (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``), so
+  checkpoints are interchangeable with megatron's mixer;
+* on CPU (or when the kernels are missing) runs a pure-PyTorch path: causal depthwise conv1d,
+  the chunked SSD scan of :mod:`model.ssd` in float32, gated RMSNorm ``norm(y * silu(z))``;
+* on CUDA with ``mamba_ssm`` / ``causal_conv1d`` installed uses ``causal_conv1d_fn``,
+  ``mamba_chunk_scan_combined`` and mamba_ssm's gated ``rmsnorm_fn`` (imported lazily).
+
+Not supported: inference (``inference_context``), packed sequences, context parallelism > 1,
+``D_has_hdim``, ``rmsnorm=False``, ``norm_before_gate=True``, biases in the projections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import List, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+
+from model.ssd import ssd_chunk_scan
+
+__all__ = ["MambaMixer", "MambaMixerSubmodules", "GatedRMSNorm", "mamba_kernels_available"]
+
+
+@dataclass
+class MambaMixerSubmodules:
+    """Module specs of the input and output projections (same fields as megatron's dataclass,
+    which cannot be imported without triton)."""
+
+    in_proj: Union[ModuleSpec, type] = None
+    out_proj: Union[ModuleSpec, type] = None
+
+
+# --------------------------------------------------------------------------------------------
+# GPU kernels (lazy)
+# --------------------------------------------------------------------------------------------
+
+_KERNELS = None  # cache: dict of callables, or False when unavailable
+
+
+def _load_kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        try:  # imported only here, never at module import time
+            from causal_conv1d import causal_conv1d_fn
+            from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+            _KERNELS = dict(
+                causal_conv1d_fn=causal_conv1d_fn,
+                mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+                rmsnorm_fn=rmsnorm_fn,
+            )
+        except Exception:  # ImportError, or a broken CUDA build
+            _KERNELS = False
+    return _KERNELS
+
+
+def mamba_kernels_available() -> bool:
+    """True when CUDA is available and mamba_ssm + causal_conv1d import."""
+    return torch.cuda.is_available() and bool(_load_kernels())
+
+
+# --------------------------------------------------------------------------------------------
+# Gated RMSNorm
+# --------------------------------------------------------------------------------------------
+
+
+def gated_rmsnorm(y, z, weight, eps: float, group_size: int):
+    """``rmsnorm_grouped(y * silu(z)) * weight`` (mamba_ssm's norm_before_gate=False) in float32
+    (float64 for float64 inputs).
+
+    The RMS is taken over contiguous groups of ``group_size`` channels of the last dim.
+    """
+    dtype = y.dtype
+    with torch.autocast(device_type=y.device.type, enabled=False):
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        x = y.to(cdt)
+        if z is not None:
+            x = x * F.silu(z.to(cdt))
+        shp = x.shape
+        xg = x.reshape(*shp[:-1], shp[-1] // group_size, group_size)
+        xg = xg * torch.rsqrt(xg.pow(2).mean(dim=-1, keepdim=True) + eps)
+        out = xg.reshape(shp) * weight.to(cdt)
+    return out.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Grouped gated RMSNorm with the parameter layout of mamba_ssm's ``RMSNormGated``
+    (a single ``weight``, no bias); sharded along dim 0 across TP like megatron's
+    ``ExtendedRMSNorm``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        group_size: Optional[int] = None,
+        norm_before_gate: bool = False,
+        device=None,
+        dtype=None,
+        tp_group=None,
+    ):
+        super().__init__()
+        if norm_before_gate:
+            raise NotImplementedError("only norm_before_gate=False (megatron's setting)")
+        self.eps = eps
+        self.group_size = group_size if group_size is not None else hidden_size
+        assert hidden_size % self.group_size == 0, (hidden_size, self.group_size)
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.tp_group = tp_group
+
+    def forward(self, y, z=None, use_kernels: bool = False):
+        if use_kernels:
+            rmsnorm_fn = _load_kernels()["rmsnorm_fn"]
+            return rmsnorm_fn(
+                y,
+                self.weight,
+                None,
+                z=z,
+                eps=self.eps,
+                group_size=self.group_size,
+                norm_before_gate=False,
+            )
+        return gated_rmsnorm(y, z, self.weight, self.eps, self.group_size)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Weight sharded along axis 0 across TP."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = self.tp_group
+        if tp_group is None:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"weight": 0},
+            sharded_offsets,
+            tp_group=tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}"
+
+
+# --------------------------------------------------------------------------------------------
+# The mixer
+# --------------------------------------------------------------------------------------------
+
+
+def _param_rng_context():
+    """megatron initialises conv1d / dt / A under the model-parallel CUDA RNG fork (distinct
+    values per TP rank). Use it when it exists; on CPU there is no tracker: default RNG."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    try:
+        from megatron.core.tensor_parallel.random import (
+            _MODEL_PARALLEL_RNG_TRACKER_NAME,
+            get_cuda_rng_tracker,
+        )
+
+        tracker = get_cuda_rng_tracker()
+        if _MODEL_PARALLEL_RNG_TRACKER_NAME in tracker.get_states():
+            return tracker.fork()
+    except Exception:
+        pass
+    return contextlib.nullcontext()
+
+
+class MambaMixer(MegatronModule):
+    """Mamba-2 mixer (SSD) — see the module docstring.
+
+    Args mirror megatron-core 0.16's ``MambaMixer``. Sizes come from the config:
+    ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups``, ``mamba_num_heads`` (if None,
+    ``nheads = expand * d_model // head_dim``).
+
+    Extra (not in megatron): ``use_kernels`` — None (default): use the mamba_ssm / causal_conv1d
+    kernels when the input is on CUDA and they import; False: always the PyTorch path; True: require
+    the kernels on CUDA inputs.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: MambaMixerSubmodules,
+        d_model: int,
+        d_conv: int = 4,
+        conv_init: Optional[float] = None,
+        expand: int = 2,
+        A_init_range=(1, 16),
+        D_has_hdim: bool = False,
+        rmsnorm: bool = True,
+        norm_before_gate: bool = False,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init: str = "random",
+        dt_scale: float = 1.0,
+        dt_init_floor: float = 1e-4,
+        bias: bool = False,
+        conv_bias: bool = True,
+        chunk_size: int = 128,
+        layer_number: Optional[int] = None,
+        use_mem_eff_path=None,  # deprecated in megatron; ignored
+        d_state=None,  # deprecated in megatron; the config decides
+        headdim=None,  # deprecated in megatron; the config decides
+        ngroups=None,  # deprecated in megatron; the config decides
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        pp_layer_offset: int = 0,
+        use_kernels: Optional[bool] = None,
+    ):
+        super().__init__(config)
+        if D_has_hdim:
+            raise NotImplementedError("D_has_hdim=True is not supported")
+        if not rmsnorm:
+            raise NotImplementedError("rmsnorm=False is not supported")
+        if norm_before_gate:
+            raise NotImplementedError("norm_before_gate=True is not supported (megatron asserts it too)")
+        if bias:
+            raise NotImplementedError("bias=True is not supported (megatron asserts it too)")
+
+        self.config = config
+        self.d_model = d_model
+        self.d_conv = d_conv
+        self.conv_init = conv_init
+        self.expand = expand
+        self.d_inner = int(expand * d_model)
+        self.D_has_hdim = D_has_hdim
+        self.rmsnorm = rmsnorm
+        self.norm_before_gate = norm_before_gate
+        self.chunk_size = chunk_size
+        self.layer_number = layer_number
+        self.pp_layer_offset = pp_layer_offset
+        self.use_kernels = use_kernels
+        self.activation = "silu"
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is not None and cp_group.size() > 1:
+            raise NotImplementedError("context parallelism is not supported by this Mamba mixer")
+
+        self.d_state = config.mamba_state_dim
+        self.headdim = config.mamba_head_dim
+        self.ngroups = config.mamba_num_groups
+        assert self.d_state is not None and self.d_state > 0
+        assert self.headdim is not None and self.headdim > 0
+        assert self.ngroups is not None and self.ngroups > 0
+        if config.mamba_num_heads is not None:
+            self.nheads = config.mamba_num_heads
+            assert self.nheads > 0
+            self.d_inner = self.nheads * self.headdim
+        else:
+            assert self.d_inner % self.headdim == 0, "d_inner must be divisible by headdim"
+            self.nheads = self.d_inner // self.headdim
+
+        tp_size = self.tp_group.size()
+        assert self.nheads % tp_size == 0, "nheads must be divisible by tp_size"
+        assert self.ngroups % tp_size == 0, "ngroups must be divisible by tp_size"
+        assert self.nheads % self.ngroups == 0, "nheads must be divisible by ngroups"
+        self.nheads_local_tp = self.nheads // tp_size
+        self.d_inner_local_tp = self.d_inner // tp_size
+        self.ngroups_local_tp = self.ngroups // tp_size
+
+        # Parameters are created on the CUDA device unless use_cpu_initialization (then on the
+        # ambient default device, so `with torch.device("meta"):` works).
+        if config.use_cpu_initialization or not torch.cuda.is_available():
+            device = None
+        else:
+            device = torch.cuda.current_device()
+        params_dtype = config.params_dtype
+
+        # z, x, B, C, dt — column parallel, local layout [z_l, x_l, B_l, C_l, dt_l]
+        self.in_proj = build_module(
+            submodules.in_proj,
+            self.d_model,
+            self.d_inner * 2 + 2 * self.ngroups * self.d_state + self.nheads,
+            config=self.config,
+            init_method=self.config.init_method,
+            gather_output=False,
+            bias=bias,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="fc1",
+            tp_group=self.tp_group,
+        )
+
+        conv_dim = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state  # x B C
+        with _param_rng_context():
+            # weight [conv_dim, 1, d_conv], bias [conv_dim]; forward pads causally itself
+            self.conv1d = nn.Conv1d(
+                in_channels=conv_dim,
+                out_channels=conv_dim,
+                bias=conv_bias,
+                kernel_size=d_conv,
+                groups=conv_dim,
+                padding=d_conv - 1,
+                device=device,
+                dtype=params_dtype,
+            )
+            setattr(self.conv1d.weight, "tensor_model_parallel", True)
+            if conv_bias:
+                setattr(self.conv1d.bias, "tensor_model_parallel", True)
+            if config.perform_initialization:
+                if self.conv_init is not None:
+                    nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+                else:
+                    nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
+
+        with _param_rng_context():
+            # dt_bias: softplus(dt_bias) log-uniform in [dt_min, dt_max], floored
+            dt = torch.exp(
+                torch.rand(self.nheads_local_tp, device=device, dtype=params_dtype)
+                * (math.log(dt_max) - math.log(dt_min))
+                + math.log(dt_min)
+            ).clamp(min=dt_init_floor)
+            inv_dt = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+            self.dt_bias = nn.Parameter(inv_dt)
+            setattr(self.dt_bias, "tensor_model_parallel", True)
+
+            assert A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]
+            # megatron leaves A uninitialised when perform_initialization=False (log of garbage);
+            # we always draw it — it is overwritten by a checkpoint load anyway.
+            A = torch.empty(self.nheads_local_tp, dtype=torch.float32, device=device)
+            A.uniform_(*A_init_range)
+            self.A_log = nn.Parameter(torch.log(A))  # fp32
+            setattr(self.A_log, "tensor_model_parallel", True)
+
+        self.D = nn.Parameter(torch.ones(self.nheads_local_tp, device=device))  # fp32
+        setattr(self.D, "tensor_model_parallel", True)
+
+        self.norm = GatedRMSNorm(
+            self.d_inner_local_tp,
+            eps=1e-5,
+            group_size=self.d_inner_local_tp // self.ngroups_local_tp,
+            norm_before_gate=False,
+            device=device,
+            dtype=params_dtype,
+            tp_group=self.tp_group,
+        )
+        setattr(self.norm.weight, "tensor_model_parallel", True)
+
+        self.out_proj = build_module(
+            submodules.out_proj,
+            self.d_inner,
+            self.d_model,
+            config=self.config,
+            init_method=self.config.output_layer_init_method,
+            bias=bias,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc2",
+            tp_group=self.tp_group,
+        )
+
+    # ---------------------------------------------------------------------------------------
+
+    def _want_kernels(self, t: torch.Tensor) -> bool:
+        if self.use_kernels is False or not t.is_cuda:
+            return False
+        ok = bool(_load_kernels())
+        if self.use_kernels and not ok:
+            raise RuntimeError("use_kernels=True but mamba_ssm / causal_conv1d are not importable")
+        return ok
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        inference_context=None,
+        *,
+        inference_params=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
+        """hidden_states [s, b, h] -> (out [s, b, h], out_bias) (out_proj's skip_bias_add pair)."""
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("MambaMixer (model.mamba_mixer): inference is not supported")
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "MambaMixer (model.mamba_mixer): packed sequences are not supported"
+            )
+        zxBCdt, _ = self.in_proj(hidden_states)  # [s, b, in_proj_local]
+        y = self.ssm(zxBCdt)  # [s, b, d_inner_local]
+        out, out_bias = self.out_proj(y)
+        return out, out_bias
+
+    def ssm(self, zxBCdt: torch.Tensor) -> torch.Tensor:
+        """[s, b, in_proj_local] (local z, x, B, C, dt) -> gated, normed y [s, b, d_inner_local]."""
+        use_kernels = self._want_kernels(zxBCdt)
+        s, b, _ = zxBCdt.shape
+        dstate, ng, nh, hd = self.d_state, self.ngroups_local_tp, self.nheads_local_tp, self.headdim
+        z, xBC, dt = torch.split(
+            zxBCdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * ng * dstate, nh], dim=-1
+        )
+
+        # Causal depthwise conv over (x, B, C) + SiLU.  [s, b, c] -> [b, c, s]
+        xBC = xBC.permute(1, 2, 0)
+        w = self.conv1d.weight  # [c, 1, k]
+        if use_kernels:
+            xBC = _load_kernels()["causal_conv1d_fn"](
+                x=xBC.contiguous(),
+                weight=w.squeeze(1),
+                bias=self.conv1d.bias,
+                activation=self.activation,
+            )
+        else:
+            in_dtype = xBC.dtype
+            xBC = F.conv1d(
+                F.pad(xBC.to(w.dtype), (self.d_conv - 1, 0)),
+                w,
+                self.conv1d.bias,
+                groups=w.shape[0],
+            )
+            xBC = F.silu(xBC).to(in_dtype)
+        xBC = xBC.permute(0, 2, 1)  # [b, s, c]
+        x, B, C = torch.split(xBC, [self.d_inner_local_tp, ng * dstate, ng * dstate], dim=-1)
+        x = x.reshape(b, s, nh, hd)
+        B = B.reshape(b, s, ng, dstate)
+        C = C.reshape(b, s, ng, dstate)
+        dt = dt.transpose(0, 1)  # [b, s, nh]
+        A_log = self.A_log if self.A_log.dtype == torch.float64 else self.A_log.float()
+        A = -torch.exp(A_log)  # fp32 (fp64 if the module was cast to double)
+
+        if use_kernels:
+            y = _load_kernels()["mamba_chunk_scan_combined"](
+                x.contiguous(),
+                dt.contiguous(),
+                A,
+                B.contiguous(),
+                C.contiguous(),
+                chunk_size=self.chunk_size,
+                D=self.D,
+                z=None,
+                dt_bias=self.dt_bias.float(),
+                dt_softplus=True,
+            )
+        else:
+            y = ssd_chunk_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                self.chunk_size,
+                D=self.D,
+                dt_bias=self.dt_bias,
+                dt_softplus=True,
+            )
+
+        y = y.reshape(b, s, self.d_inner_local_tp).transpose(0, 1)  # [s, b, d_inner_local]
+        y = self.norm(y.contiguous(), z.contiguous(), use_kernels=use_kernels)
+        return y
+
+    # ---------------------------------------------------------------------------------------
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Sharded state dict with megatron's mixer layout: A_log, D, dt_bias, conv1d and
+        norm.weight sharded on dim 0; in_proj.weight split into z/x/B/C/dt and conv1d
+        weight/bias into x/B/C, each part TP-sharded on dim 0 (so checkpoints reshard across
+        TP sizes)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        dp_cp_group = metadata["dp_cp_group"]
+
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        sharded_state_dict = make_sharded_tensors_for_checkpoint(
+            own,
+            prefix,
+            tensor_parallel_layers_axis_map={"A_log": 0, "dt_bias": 0, "D": 0},
+            sharded_offsets=sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=dp_cp_group,
+        )
+        for name, module in self.named_children():
+            if name == "conv1d":
+                module_sd = make_sharded_tensors_for_checkpoint(
+                    module.state_dict(prefix="", keep_vars=True),
+                    f"{prefix}{name}.",
+                    {"weight": 0, "bias": 0},
+                    sharded_offsets,
+                    tp_group=self.tp_group,
+                    dp_cp_group=dp_cp_group,
+                )
+            else:
+                module_sd = sharded_state_dict_default(
+                    module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group
+                )
+            sharded_state_dict.update(module_sd)
+
+        ng_ds = self.ngroups_local_tp * self.d_state
+        in_proj_key = f"{prefix}in_proj.weight"
+        in_proj_sections = [
+            self.d_inner_local_tp,
+            self.d_inner_local_tp,
+            ng_ds,
+            ng_ds,
+            self.nheads_local_tp,
+        ]
+        assert sharded_state_dict[in_proj_key].data.size(0) == sum(in_proj_sections)
+        sharded_state_dict[in_proj_key] = _split_tensor_factory(
+            sharded_state_dict[in_proj_key], in_proj_sections, ["z", "x", "B", "C", "dt"], 0
+        )
+        for key in ("conv1d.weight", "conv1d.bias"):
+            full_key = f"{prefix}{key}"
+            if full_key not in sharded_state_dict:
+                continue
+            sharded_state_dict[full_key] = _split_tensor_factory(
+                sharded_state_dict[full_key],
+                [self.d_inner_local_tp, ng_ds, ng_ds],
+                ["x", "B", "C"],
+                0,
+            )
+        return sharded_state_dict
+
+
+def _split_tensor_factory(
+    orig_sh_ten: ShardedTensor, split_sections: List[int], split_names: List[str], split_dim: int
+) -> ShardedTensorFactory:
+    """A factory that saves a ShardedTensor as independent parts ``<key>.<name>`` (each keeping
+    the original TP sharding along ``split_dim``) and concatenates them back on load."""
+    assert isinstance(orig_sh_ten, ShardedTensor), type(orig_sh_ten)
+    assert isinstance(split_sections, (list, tuple)) and len(split_sections) == len(split_names)
+    template = orig_sh_ten.without_data()
+    if sum(split_sections) != template.local_shape[split_dim]:
+        raise ValueError(
+            f"split sections {split_sections} do not cover dim {split_dim} of "
+            f"local shape {template.local_shape}"
+        )
+
+    @torch.no_grad()
+    def build_fn(key, t, replica_id, flattened_range):
+        base = replace(
+            template,
+            key=key,
+            data=t,
+            dtype=t.dtype,
+            replica_id=replica_id,
+            flattened_range=flattened_range,
+        )
+        parts = []
+        start = 0
+        for size, name in zip(split_sections, split_names):
+            for sh_ten in base.narrow(split_dim, start, size):
+                sh_ten.key = f"{sh_ten.key}.{name}"
+                parts.append(sh_ten)
+            start += size
+        return parts
+
+    @torch.no_grad()
+    def merge_fn(sub_state_dict):
+        return torch.cat(sub_state_dict, dim=split_dim)
+
+    return ShardedTensorFactory(
+        orig_sh_ten.key, orig_sh_ten.data, build_fn, merge_fn, orig_sh_ten.replica_id
+    )

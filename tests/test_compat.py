@@ -1,0 +1,46 @@
+"""Each item of model/compat.py, checked against the installed megatron-core.
+
+These fail when upstream changes what a work-around relies on, so it is revisited.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from model import compat
+
+
+def test_hybrid_model_class_and_its_keywords():
+    cls = compat.hybrid_model_class()
+    assert cls.__name__ in ("MambaModel", "HybridModel")
+    kwargs = compat.hybrid_model_kwargs(stack_spec="SPEC", pattern="M-*")
+    params = inspect.signature(cls.__init__).parameters
+    assert set(kwargs) <= set(params)
+    assert sorted(kwargs.values()) == ["M-*", "SPEC"]
+
+
+def test_megatron_stack_still_hardwires_te_final_norm():
+    """Why model/stack.py builds its own final norm: upstream's needs Transformer Engine."""
+    from megatron.core.ssm import mamba_block
+
+    source = inspect.getsource(mamba_block.MambaStack.__init__)
+    assert "TENorm(" in source, "upstream no longer hard-codes TENorm: HybridStack may simplify"
+    assert hasattr(mamba_block.MambaStack, "_select_layers_for_pipeline_parallel")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+def test_megatron_cuda_seed_still_needs_cuda():
+    """Why compat.seed_model_parallel_rng exists."""
+    from megatron.core import tensor_parallel
+
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+
+
+def test_megatron_local_attention_still_uses_the_cuda_buffer():
+    """Why model/attention.py owns core attention on CPU."""
+    from megatron.core.transformer import dot_product_attention
+
+    source = inspect.getsource(dot_product_attention.DotProductAttention.forward)
+    assert "get_global_memory_buffer" in source

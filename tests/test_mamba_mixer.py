@@ -1,0 +1,568 @@
+"""Tests of the CPU Mamba-2 mixer (model/mamba_mixer.py) and its chunked SSD scan (model/ssd.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # the repo is not installed into the venv
+    sys.path.insert(0, _ROOT)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+from mamba_fixtures import megatron_single_process  # noqa: E402,F401  (fixture)
+
+from model.ssd import ssd_chunk_scan  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent references
+# ---------------------------------------------------------------------------------------------
+
+
+def naive_ssm(x, dt, A, B, C, D, h0=None):
+    """Step-by-step recurrence, one head at a time.
+
+    x (b, l, H, P); dt (b, l, H) (already positive); A (H,) negative; B, C (b, l, G, N); D (H,).
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T ;  y_t = h_t C_t + D x_t.  Head hh uses group
+    hh // (H // G).
+    """
+    b, l, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    per_group = H // G
+    h = torch.zeros(b, H, P, N, dtype=x.dtype) if h0 is None else h0.clone()
+    y = torch.empty_like(x)
+    for t in range(l):
+        for hh in range(H):
+            g = hh // per_group
+            decay = torch.exp(dt[:, t, hh] * A[hh])  # (b,)
+            inp = dt[:, t, hh, None, None] * x[:, t, hh, :, None] * B[:, t, g, None, :]  # (b,P,N)
+            h[:, hh] = decay[:, None, None] * h[:, hh] + inp
+            y[:, t, hh] = (h[:, hh] * C[:, t, g, None, :]).sum(-1) + D[hh] * x[:, t, hh]
+    return y, h
+
+
+def _rand_scan_inputs(b, l, H, P, G, N, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, l, H, P, generator=g, dtype=dtype)
+    dt = torch.rand(b, l, H, generator=g, dtype=dtype) * 0.3 + 0.01
+    A = -(torch.rand(H, generator=g, dtype=dtype) * 4 + 0.5)
+    B = torch.randn(b, l, G, N, generator=g, dtype=dtype)
+    C = torch.randn(b, l, G, N, generator=g, dtype=dtype)
+    D = torch.randn(H, generator=g, dtype=dtype)
+    h0 = torch.randn(b, H, P, N, generator=g, dtype=dtype)
+    return x, dt, A, B, C, D, h0
+
+
+# ---------------------------------------------------------------------------------------------
+# The scan
+# ---------------------------------------------------------------------------------------------
+
+FP64_TOL = 1e-10
+
+
+@pytest.mark.parametrize(
+    "seqlen,chunk",
+    [(1, 4), (7, 4), (16, 4), (37, 8), (37, 16), (37, 64), (50, 1)],
+)
+def test_scan_matches_naive_recurrence_fp64(seqlen, chunk):
+    """Chunked SSD == step-by-step recurrence (fp64, tol 1e-10), incl. state carried across chunks,
+    lengths not divisible by the chunk, ngroups > 1, and the final state."""
+    x, dt, A, B, C, D, _ = _rand_scan_inputs(2, seqlen, 6, 5, 3, 4)
+    y_ref, h_ref = naive_ssm(x, dt, A, B, C, D)
+    y, h = ssd_chunk_scan(x, dt, A, B, C, chunk, D=D, return_final_states=True)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, y_ref, atol=FP64_TOL, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=FP64_TOL, rtol=0)
+
+
+def test_scan_initial_states_and_dt_softplus_bias():
+    """initial_states, dt_bias + softplus, and the (H,) D are applied like the recurrence."""
+    x, dt_raw, A, B, C, D, h0 = _rand_scan_inputs(2, 29, 4, 3, 2, 5, seed=1)
+    dt_bias = torch.randn(4, dtype=torch.float64)
+    dt = F.softplus(dt_raw + dt_bias)
+    y_ref, h_ref = naive_ssm(x, dt, A, B, C, D, h0)
+    y, h = ssd_chunk_scan(
+        x, dt_raw, A, B, C, 8, D=D, dt_bias=dt_bias, dt_softplus=True,
+        initial_states=h0, return_final_states=True,
+    )
+    torch.testing.assert_close(y, y_ref, atol=FP64_TOL, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=FP64_TOL, rtol=0)
+
+
+def test_scan_split_sequence_equals_whole():
+    """Running two halves with the state handed over == one pass."""
+    x, dt, A, B, C, D, _ = _rand_scan_inputs(1, 40, 4, 3, 2, 5, seed=2)
+    y, h = ssd_chunk_scan(x, dt, A, B, C, 16, D=D, return_final_states=True)
+    y1, h1 = ssd_chunk_scan(x[:, :23], dt[:, :23], A, B[:, :23], C[:, :23], 16, D=D,
+                            return_final_states=True)
+    y2, h2 = ssd_chunk_scan(x[:, 23:], dt[:, 23:], A, B[:, 23:], C[:, 23:], 16, D=D,
+                            initial_states=h1, return_final_states=True)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y, atol=FP64_TOL, rtol=0)
+    torch.testing.assert_close(h2, h, atol=FP64_TOL, rtol=0)
+
+
+def test_scan_low_precision_inputs_and_grads():
+    """bf16 inputs under autocast: internals in fp32, output in bf16, finite grads; fp32 result
+    close to the fp64 reference."""
+    x, dt, A, B, C, D, _ = _rand_scan_inputs(2, 300, 4, 8, 2, 16, seed=3)
+    y_ref, _ = naive_ssm(x, dt, A, B, C, D)
+    y32 = ssd_chunk_scan(x.float(), dt.float(), A.float(), B.float(), C.float(), 128, D=D.float())
+    torch.testing.assert_close(y32.double(), y_ref, atol=1e-4, rtol=1e-4)
+
+    xb = x.bfloat16().requires_grad_()
+    dtb = dt.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yb = ssd_chunk_scan(xb, dtb, A.float(), B.bfloat16(), C.bfloat16(), 128, D=D.float())
+    assert yb.dtype == torch.bfloat16
+    assert torch.isfinite(yb).all()
+    yb.float().square().sum().backward()
+    assert torch.isfinite(xb.grad).all() and torch.isfinite(dtb.grad).all()
+    assert xb.grad.abs().sum() > 0 and dtb.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixer
+# ---------------------------------------------------------------------------------------------
+
+TINY = dict(hidden=64, heads=8, head_dim=16, state=16, groups=2)
+
+
+def _config(hidden, heads, head_dim, state, groups, **kw):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        mamba_state_dim=state,
+        mamba_head_dim=head_dim,
+        mamba_num_groups=groups,
+        mamba_num_heads=heads,
+        **kw,
+    )
+
+
+def _mixer(config, **kw):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from model.mamba_mixer import MambaMixer, MambaMixerSubmodules
+
+    spec = ModuleSpec(
+        module=MambaMixer,
+        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+        params=kw,
+    )
+    # Called the way megatron's MambaLayer builds its mixer.
+    return build_module(spec, config, d_model=config.hidden_size, layer_number=1)
+
+
+def naive_mixer_forward(m, h):
+    """Independent forward from the mixer's parameters: in_proj -> split -> causal conv (tap
+    loop) -> SiLU -> softplus dt -> naive recurrence -> y*silu(z) -> grouped RMSNorm -> out_proj."""
+    s, b, _ = h.shape
+    H, P, N, G = m.nheads, m.headdim, m.d_state, m.ngroups
+    d_in = H * P
+    zxbcdt = h @ m.in_proj.weight.t()  # [s, b, 2*d_in + 2*G*N + H]
+    z = zxbcdt[..., :d_in]
+    xbc = zxbcdt[..., d_in: 2 * d_in + 2 * G * N]
+    dt = zxbcdt[..., 2 * d_in + 2 * G * N:]
+    assert dt.shape[-1] == H
+    w = m.conv1d.weight[:, 0, :]  # [c, k]
+    k = w.shape[1]
+    conv = torch.zeros_like(xbc) + m.conv1d.bias
+    for j in range(k):  # out[t] = sum_j w[:, j] * in[t - (k-1) + j]
+        shift = k - 1 - j
+        if shift < s:
+            conv[shift:] += w[:, j] * xbc[: s - shift]
+    xbc = conv * torch.sigmoid(conv)
+    x = xbc[..., :d_in].permute(1, 0, 2).reshape(b, s, H, P)
+    Bm = xbc[..., d_in: d_in + G * N].permute(1, 0, 2).reshape(b, s, G, N)
+    Cm = xbc[..., d_in + G * N:].permute(1, 0, 2).reshape(b, s, G, N)
+    dt = torch.log1p(torch.exp(dt + m.dt_bias)).permute(1, 0, 2)  # softplus
+    A = -torch.exp(m.A_log)
+    y, _ = naive_ssm(x, dt, A, Bm, Cm, m.D)
+    y = y.reshape(b, s, d_in).permute(1, 0, 2)
+    g = y * (z * torch.sigmoid(z))
+    gs = d_in // G
+    gg = g.reshape(s, b, G, gs)
+    gg = gg / torch.sqrt((gg * gg).mean(-1, keepdim=True) + 1e-5)
+    g = gg.reshape(s, b, d_in) * m.norm.weight
+    return g @ m.out_proj.weight.t()
+
+
+def test_mixer_shapes_and_layout(megatron_single_process):
+    cfg = _config(**TINY)
+    m = _mixer(cfg)
+    d_in, gn, H = 8 * 16, 2 * 16, 8
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes == {
+        "in_proj.weight": (2 * d_in + 2 * gn + H, 64),
+        "conv1d.weight": (d_in + 2 * gn, 1, 4),
+        "conv1d.bias": (d_in + 2 * gn,),
+        "dt_bias": (H,),
+        "A_log": (H,),
+        "D": (H,),
+        "norm.weight": (d_in,),
+        "out_proj.weight": (64, d_in),
+    }
+    # init ranges (megatron's)
+    A = torch.exp(m.A_log)
+    assert ((A >= 1) & (A <= 16)).all() and m.A_log.dtype == torch.float32
+    dt = F.softplus(m.dt_bias)
+    assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all()
+    assert torch.equal(m.D, torch.ones(H)) and torch.equal(m.norm.weight, torch.ones(d_in))
+    assert m.norm.group_size == d_in // 2
+    for n in ("conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight"):
+        assert getattr(m.get_parameter(n), "tensor_model_parallel", False), n
+
+
+@pytest.mark.parametrize("seqlen", [37, 64])
+def test_mixer_forward_matches_naive_reference(megatron_single_process, seqlen):
+    """fp64 mixer forward (chunk 16, padded last chunk when s=37) == naive reference, tol 1e-10;
+    out_bias is None (bias=False, skip_bias_add=True)."""
+    cfg = _config(**TINY)
+    m = _mixer(cfg, chunk_size=16).double()
+    with torch.no_grad():  # non-trivial norm / D so they are exercised
+        m.norm.weight.uniform_(0.5, 1.5)
+        m.D.uniform_(-1, 1)
+    h = torch.randn(seqlen, 3, 64, dtype=torch.float64)
+    out, bias = m(h)
+    assert bias is None and out.shape == (seqlen, 3, 64) and out.dtype == torch.float64
+    ref = naive_mixer_forward(m, h)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+    # causality: perturbing step t leaves outputs before t unchanged
+    h2 = h.clone()
+    h2[20:] += 1.0
+    out2, _ = m(h2)
+    torch.testing.assert_close(out2[:20], out[:20], atol=1e-12, rtol=0)
+    assert (out2[20:] - out[20:]).abs().max() > 1e-3
+
+
+def test_mixer_fp32_and_grads(megatron_single_process):
+    """fp32 forward close to the fp64 reference; every parameter gets a finite nonzero grad."""
+    cfg = _config(**TINY)
+    m = _mixer(cfg, chunk_size=16)
+    h = torch.randn(45, 2, 64, requires_grad=True)
+    out, _ = m(h)
+    m64 = _mixer(cfg, chunk_size=16).double()
+    m64.load_state_dict(m.state_dict())
+    ref = naive_mixer_forward(m64, h.detach().double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+    (out * torch.randn_like(out)).sum().backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+    for n, p in m.named_parameters():
+        assert p.grad is not None, n
+        assert torch.isfinite(p.grad).all(), n
+        assert p.grad.abs().sum() > 0, n
+
+
+def test_mixer_bf16_autocast(megatron_single_process):
+    cfg = _config(**TINY)
+    m = _mixer(cfg, chunk_size=16)
+    h = torch.randn(40, 2, 64)
+    ref, _ = m(h)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = m(h)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_mixer_rejects_inference_and_packing(megatron_single_process):
+    m = _mixer(_config(**TINY))
+    h = torch.randn(5, 1, 64)
+    with pytest.raises(NotImplementedError, match="inference"):
+        m(h, inference_context=object())
+    with pytest.raises(NotImplementedError, match="packed"):
+        m(h, packed_seq_params=object())
+
+
+def test_mixer_12b_param_count_on_meta(megatron_single_process):
+    """Nemotron-H 12B Mamba-2 mixer shape, built on the meta device."""
+    cfg = _config(hidden=5120, heads=128, head_dim=80, state=128, groups=8)
+    with torch.device("meta"):
+        m = _mixer(cfg)
+    assert all(p.device.type == "meta" for p in m.parameters())
+    expected = (
+        115_998_720  # in_proj 5120 x (2*10240 + 2*8*128 + 128)
+        + (10240 + 2048) * 4 + 12288  # conv1d weight + bias
+        + 52_428_800  # out_proj 10240 x 5120
+        + 3 * 128  # A_log, D, dt_bias
+        + 10240  # gated norm
+    )
+    assert sum(p.numel() for p in m.parameters()) == expected
+    assert m.in_proj.weight.shape == (22656, 5120)
+    assert m.norm.group_size == 1280
+
+
+def test_mixer_sharded_state_dict_tp1(megatron_single_process):
+    """Keys and global shapes as megatron's MambaMixer.sharded_state_dict produces them
+    (in_proj.weight split z/x/B/C/dt, conv1d split x/B/C); factories round-trip."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+    )
+
+    cfg = _config(**TINY)
+    m = _mixer(cfg)
+    prefix = "decoder.layers.0.mixer."
+    sd = m.sharded_state_dict(prefix=prefix)
+    assert isinstance(sd[f"{prefix}in_proj.weight"], ShardedTensorFactory)
+    assert isinstance(sd[f"{prefix}conv1d.weight"], ShardedTensorFactory)
+    assert isinstance(sd[f"{prefix}conv1d.bias"], ShardedTensorFactory)
+
+    # factory round trip: parts concatenated back == parameter
+    for key, param in (("in_proj.weight", m.in_proj.weight), ("conv1d.weight", m.conv1d.weight),
+                       ("conv1d.bias", m.conv1d.bias)):
+        fac = sd[f"{prefix}{key}"]
+        parts = fac.build()
+        merged = fac.merge_fn([p.data for p in parts])
+        assert torch.equal(merged, param.detach())
+
+    apply_factories(sd)
+    flat = {}
+
+    def walk(d):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif isinstance(v, list):
+                for e in v:
+                    flat[e.key] = e
+            else:
+                flat[k] = v
+
+    walk(sd)
+    tensors = {k: tuple(v.global_shape) for k, v in flat.items() if isinstance(v, ShardedTensor)}
+    d_in, gn, H, hid = 128, 32, 8, 64
+    assert tensors == {
+        f"{prefix}A_log": (H,),
+        f"{prefix}D": (H,),
+        f"{prefix}dt_bias": (H,),
+        f"{prefix}conv1d.weight.x": (d_in, 1, 4),
+        f"{prefix}conv1d.weight.B": (gn, 1, 4),
+        f"{prefix}conv1d.weight.C": (gn, 1, 4),
+        f"{prefix}conv1d.bias.x": (d_in,),
+        f"{prefix}conv1d.bias.B": (gn,),
+        f"{prefix}conv1d.bias.C": (gn,),
+        f"{prefix}in_proj.weight.z": (d_in, hid),
+        f"{prefix}in_proj.weight.x": (d_in, hid),
+        f"{prefix}in_proj.weight.B": (gn, hid),
+        f"{prefix}in_proj.weight.C": (gn, hid),
+        f"{prefix}in_proj.weight.dt": (H, hid),
+        f"{prefix}norm.weight": (d_in,),
+        f"{prefix}out_proj.weight": (hid, d_in),
+    }
+    # TP-sharded axis recorded for the per-head / per-channel tensors (axis 0)
+    for k in ("A_log", "D", "dt_bias", "norm.weight", "in_proj.weight.z", "conv1d.bias.x"):
+        st = flat[f"{prefix}{k}"]
+        assert st.axis_fragmentations[0] == 1  # TP=1
+    # remaining (non-tensor) entries are only the linears' extra states
+    others = set(flat) - set(tensors)
+    assert others <= {f"{prefix}in_proj._extra_state", f"{prefix}out_proj._extra_state"}, others
+
+
+def test_mixer_inside_megatron_mamba_layer(megatron_single_process):
+    """Drop-in: megatron's MambaLayer builds it from a ModuleSpec (with pg_collection) and runs
+    forward/backward; sharded_state_dict keys come out under `mixer.`."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from model.mamba_mixer import MambaMixer, MambaMixerSubmodules
+
+    cfg = _config(**TINY, normalization="RMSNorm", hidden_dropout=0.0)
+    spec = ModuleSpec(
+        module=MambaLayer,
+        submodules=MambaLayerSubmodules(
+            norm=WrappedTorchNorm,
+            mixer=ModuleSpec(
+                module=MambaMixer,
+                submodules=MambaMixerSubmodules(
+                    in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+                ),
+            ),
+            mamba_bda=get_bias_dropout_add,
+        ),
+    )
+    pg = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    layer = build_module(spec, cfg, layer_number=1, pg_collection=pg)
+    assert isinstance(layer.mixer, MambaMixer)
+    h = torch.randn(33, 2, 64, requires_grad=True)
+    out = layer(h)
+    assert out.shape == h.shape
+    out.square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+    keys = set(layer.sharded_state_dict(prefix="decoder.layers.0.").keys())
+    assert "decoder.layers.0.mixer.in_proj.weight" in keys
+    assert "decoder.layers.0.mixer.A_log" in keys and "decoder.layers.0.norm.weight" in keys
+
+
+# ---------------------------------------------------------------------------------------------
+# TP = 2 (two gloo processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _full_params(seed=0):
+    """Global ("megatron-global": [z; x; B; C; dt] rows) parameters for the TINY shape."""
+    g = torch.Generator().manual_seed(seed)
+    H, P, N, G, hid = TINY["heads"], TINY["head_dim"], TINY["state"], TINY["groups"], TINY["hidden"]
+    d_in = H * P
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return dict(
+        z=r(d_in, hid) * 0.1, x=r(d_in, hid) * 0.1, B=r(G * N, hid) * 0.1, C=r(G * N, hid) * 0.1,
+        dt=r(H, hid) * 0.1,
+        conv_w=dict(x=r(d_in, 1, 4) * 0.3, B=r(G * N, 1, 4) * 0.3, C=r(G * N, 1, 4) * 0.3),
+        conv_b=dict(x=r(d_in) * 0.1, B=r(G * N) * 0.1, C=r(G * N) * 0.1),
+        dt_bias=torch.log(torch.expm1(torch.rand(H, generator=g, dtype=torch.float64) * 0.1 + 0.001)),
+        A_log=torch.log(torch.rand(H, generator=g, dtype=torch.float64) * 15 + 1),
+        D=r(H), norm=torch.rand(d_in, generator=g, dtype=torch.float64) + 0.5,
+        out=r(hid, d_in) * 0.1,
+    )
+
+
+def _tp_worker(rank, world, port, result_dir):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world,
+                            rank=rank)
+    parallel_state.initialize_model_parallel(world, 1)
+    torch.manual_seed(0)
+    try:
+        cfg = _config(**TINY)
+        m = _mixer(cfg, chunk_size=16).double()
+        fp = _full_params()
+
+        def sl(t, parts):  # rank's slice of a dim-0 tensor split in `parts` equal shards
+            n = t.shape[0] // parts
+            return t[rank * n:(rank + 1) * n]
+
+        with torch.no_grad():
+            m.in_proj.weight.copy_(torch.cat([sl(fp[k], world) for k in ("z", "x", "B", "C", "dt")]))
+            m.conv1d.weight.copy_(torch.cat([sl(fp["conv_w"][k], world) for k in ("x", "B", "C")]))
+            m.conv1d.bias.copy_(torch.cat([sl(fp["conv_b"][k], world) for k in ("x", "B", "C")]))
+            m.dt_bias.copy_(sl(fp["dt_bias"], world))
+            m.A_log.copy_(sl(fp["A_log"], world))
+            m.D.copy_(sl(fp["D"], world))
+            m.norm.weight.copy_(sl(fp["norm"], world))
+            n = fp["out"].shape[1] // world
+            m.out_proj.weight.copy_(fp["out"][:, rank * n:(rank + 1) * n])
+        assert m.nheads_local_tp == TINY["heads"] // world
+        assert m.norm.group_size == TINY["heads"] * TINY["head_dim"] // TINY["groups"]
+
+        # forward == naive full-size reference
+        full = SimpleNamespace(
+            nheads=TINY["heads"], headdim=TINY["head_dim"], d_state=TINY["state"],
+            ngroups=TINY["groups"],
+            in_proj=SimpleNamespace(weight=torch.cat([fp[k] for k in ("z", "x", "B", "C", "dt")])),
+            conv1d=SimpleNamespace(
+                weight=torch.cat([fp["conv_w"][k] for k in ("x", "B", "C")]),
+                bias=torch.cat([fp["conv_b"][k] for k in ("x", "B", "C")]),
+            ),
+            dt_bias=fp["dt_bias"], A_log=fp["A_log"], D=fp["D"],
+            norm=SimpleNamespace(weight=fp["norm"]), out_proj=SimpleNamespace(weight=fp["out"]),
+        )
+        h = torch.randn(29, 2, TINY["hidden"], dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        out, _ = m(h)
+        torch.testing.assert_close(out, naive_mixer_forward(full, h), atol=1e-10, rtol=0)
+
+        # sharded state dict: global shapes / offsets, and each shard's data is the global slice
+        sd = m.sharded_state_dict(prefix="mixer.")
+        apply_factories(sd)
+        flat = {}
+        for k, v in sd.items():
+            for e in (v if isinstance(v, list) else [v]):
+                if isinstance(e, ShardedTensor):
+                    flat[e.key] = e
+        globals_ = {
+            "mixer.in_proj.weight.z": fp["z"], "mixer.in_proj.weight.x": fp["x"],
+            "mixer.in_proj.weight.B": fp["B"], "mixer.in_proj.weight.C": fp["C"],
+            "mixer.in_proj.weight.dt": fp["dt"],
+            **{f"mixer.conv1d.weight.{k}": v for k, v in fp["conv_w"].items()},
+            **{f"mixer.conv1d.bias.{k}": v for k, v in fp["conv_b"].items()},
+            "mixer.dt_bias": fp["dt_bias"], "mixer.A_log": fp["A_log"], "mixer.D": fp["D"],
+            "mixer.norm.weight": fp["norm"], "mixer.out_proj.weight": fp["out"],
+        }
+        assert set(flat) == set(globals_), set(flat) ^ set(globals_)
+        for k, g in globals_.items():
+            st = flat[k]
+            assert tuple(st.global_shape) == tuple(g.shape), (k, st.global_shape, g.shape)
+            idx = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.local_shape))
+            torch.testing.assert_close(st.data, g[idx], atol=0, rtol=0, msg=k)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_mixer_tp2_matches_full_reference_and_shards(tmp_path):
+    """TP=2 (2 gloo processes): forward == the naive full-size forward; the sharded state dict's
+    z/x/B/C/dt and x/B/C parts carry the global layout (global shape, offsets, data)."""
+    import torch.multiprocessing as mp
+
+    from mamba_fixtures import _free_port
+
+    mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+
+
+def test_kernel_path_plumbing_with_fake_kernels(megatron_single_process, monkeypatch):
+    """The CUDA path's calls (causal_conv1d_fn, mamba_chunk_scan_combined, rmsnorm_fn), run with
+    CPU stand-ins that check the kernels' documented argument layouts, == the PyTorch path."""
+    import model.mamba_mixer as mm
+
+    calls = []
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
+                         return_final_states=False, final_states_out=None, activation=None):
+        b, d, l = x.shape  # (batch, dim, seqlen)
+        assert weight.shape == (d, weight.shape[1]) and bias.shape == (d,)
+        assert x.is_contiguous() and activation in ("silu", "swish")
+        calls.append("conv")
+        out = F.conv1d(F.pad(x, (weight.shape[1] - 1, 0)), weight.unsqueeze(1), bias, groups=d)
+        return F.silu(out)
+
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                                  initial_states=None, seq_idx=None, cu_seqlens=None,
+                                  dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                  return_final_states=False, return_varlen_states=False):
+        b, l, h, p = x.shape
+        assert dt.shape == (b, l, h) and A.shape == (h,) and B.shape[:2] == (b, l)
+        assert C.shape == B.shape and D.shape == (h,) and dt_bias.shape == (h,)
+        assert z is None and dt_softplus and A.dtype == torch.float32
+        calls.append("scan")
+        return ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
+
+    def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+        assert bias is None and norm_before_gate is False and z.shape == x.shape
+        calls.append("norm")
+        return mm.gated_rmsnorm(x, z, weight, eps, group_size)
+
+    m = _mixer(_config(**TINY), chunk_size=16)
+    h = torch.randn(37, 2, 64)
+    ref, _ = m(h)
+    monkeypatch.setattr(mm, "_KERNELS", dict(
+        causal_conv1d_fn=causal_conv1d_fn,
+        mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+        rmsnorm_fn=rmsnorm_fn,
+    ))
+    monkeypatch.setattr(mm.MambaMixer, "_want_kernels", lambda self, t: True)
+    out, _ = m(h)
+    assert calls == ["conv", "scan", "norm"]
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
