@@ -40,7 +40,7 @@ def te_recipe_spec(cfg: PrecisionConfig) -> Optional[dict[str, Any]]:
 def te_supports(cfg: PrecisionConfig, compute_capability: Optional[tuple[int, int]]) -> tuple[bool, str]:
     """Whether TE can run this recipe on a device, and why not."""
     if cfg.format == "bf16":
-        return compute_capability is not None, "BF16 needs a CUDA device for TE"
+        return compute_capability is not None, "no CUDA device"
     if compute_capability is None:
         return False, "no CUDA device"
     if cfg.format == "nvfp4" and compute_capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:

@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig
 from model.config import ModelConfig
+from model.plan import PlanConfig
 from nvfp4_recipe.policy import PrecisionConfig
 
 
@@ -88,6 +89,8 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # The dry run's memory/time assumptions (model/plan.py).
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_configs() -> None:
@@ -96,7 +99,8 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for group, node in (("model", ModelConfig), ("precision", PrecisionConfig),
                         ("data", DataConfig), ("parallel", ParallelConfig),
-                        ("trainer", TrainerConfig), ("logger", LoggerConfig)):
+                        ("trainer", TrainerConfig), ("logger", LoggerConfig),
+                        ("plan", PlanConfig)):
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 

@@ -30,6 +30,17 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def render(renderable) -> str:
+    """A rich table (or any renderable) as plain text for the log."""
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=110, force_terminal=False).print(renderable)
+    return buffer.getvalue().rstrip()
+
+
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "--:--"

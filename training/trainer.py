@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from data import build_data
+from data import MissingDataError, build_data, validate_config
 from model.build import build_model, choose_backend
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
 from .distributed import ParallelContext, init_distributed, shutdown
-from .metrics import MetricsSink, setup_logging, start_wandb, status_line
+from .metrics import MetricsSink, render, setup_logging, start_wandb, status_line
 from .optim import build_optimizer
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -47,6 +47,7 @@ class TrainingError(Exception):
 class StepResult:
     loss: float
     grad_norm: float
+    lr: float  # the learning rate this step used
     skipped: bool
 
 
@@ -82,8 +83,11 @@ class Trainer:
         self.wandb_id: Optional[str] = None
         self.switched = False
         self.val_batches = self.data.validation_batches(tr.eval_batches)
-        log.info(f"precision {cfg.precision.name}: {backend} backend ({reason}); "
-                 f"{self.built.policy.first} first / {self.built.policy.last} last layers BF16")
+        policy = self.built.policy
+        log.info(f"precision {cfg.precision.name}: {backend} GEMMs ({reason})"
+                 + (f"; first {policy.first} / last {policy.last} pattern layers in BF16"
+                    if cfg.precision.format != "bf16" else ""))
+        log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
                  f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step")
 
@@ -171,8 +175,10 @@ class Trainer:
             self._all_reduce_mean(flat, dp_group)
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
+            del flat  # 4 bytes per parameter, not to be held through the optimizer step
         loss = self._all_reduce_mean(total, dp_group).item()
         grad_norm = self._grad_norm().item()
+        lr = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if self.cfg.trainer.on_nan == "stop":
                 raise TrainingError(
@@ -182,7 +188,7 @@ class Trainer:
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-            return StepResult(loss, grad_norm, skipped=True)
+            return StepResult(loss, grad_norm, lr, skipped=True)
         clip = self.cfg.trainer.grad_clip
         if clip > 0 and grad_norm > clip:
             for p in self.model.parameters():
@@ -190,7 +196,7 @@ class Trainer:
                     p.grad.mul_(clip / (grad_norm + 1e-6))
         self.optimizer.step()
         self.scheduler.step()
-        return StepResult(loss, grad_norm, skipped=False)
+        return StepResult(loss, grad_norm, lr, skipped=False)
 
     def _diagnostics_due(self) -> bool:
         every = self.cfg.precision.diagnostics_every
@@ -239,7 +245,7 @@ class Trainer:
         if self.ctx.is_main:
             wandb_run = start_wandb(
                 self.run_dir, cfg.logger.mode, cfg.logger.project, cfg.logger.entity,
-                cfg.run.name, cfg.logger.tags, OmegaConf.to_container(cfg, resolve=True),
+                cfg.run.name, cfg.logger.tags, OmegaConf.to_container(OmegaConf.structured(cfg)),
                 self.wandb_id)
             self.wandb_id = wandb_run.id if wandb_run is not None else None
         sink = MetricsSink(self.run_dir, self.ctx.is_main, wandb_run)
@@ -255,7 +261,7 @@ class Trainer:
                 self.step += 1
                 dt = time.perf_counter() - t0
                 metrics = {"consumed_tokens": self.consumed_tokens, "loss": result.loss,
-                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
+                           "lr": result.lr, "grad_norm": result.grad_norm,
                            "tokens_per_sec": self.tokens_per_step / dt,
                            "skipped_steps": self.skipped_steps,
                            **self.data.train.metrics()}
@@ -301,7 +307,7 @@ def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
                 "run.dir or set run.resume=auto to continue it", ExitCode.RUN_DIR_IN_USE)
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / "config.yaml"
-        text = OmegaConf.to_yaml(cfg, resolve=True)
+        text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         if not config_path.exists():
             config_path.write_text(text)
         elif config_path.read_text() != text:
@@ -317,19 +323,22 @@ def run(cfg) -> int:
     ctx = None
     try:
         cfg: TrainConfig = OmegaConf.to_object(cfg)
+        if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
+            from model.plan import dry_run, plan_world_size
+
+            ctx = init_distributed(1, 1, cfg.parallel.backend)
+            validate(cfg, plan_world_size(cfg))
+            return dry_run(cfg, ctx)
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
         validate(cfg, ctx.world_size)
-        if cfg.run.dry_run:
-            from model.plan import dry_run
-
-            return dry_run(cfg, ctx)
+        validate_config(cfg.data, check_files=True)  # before anything is written
         run_dir = prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
         return Trainer(cfg, ctx).fit()
     except TrainingError as exc:
         log.error(f"error: {exc}")
         return exc.code
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, MissingDataError) as exc:
         log.error(f"error: {exc}")
         return ExitCode.MISSING_DATA
     except ValueError as exc:

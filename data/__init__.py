@@ -1,0 +1,39 @@
+"""Data: demo corpus, tokenizer, preparation CLI, phase schedule and the streaming blend.
+
+Knows nothing of precision or the model. Entry points::
+
+    from data import DataConfig, build_data
+    bundle = build_data(cfg, seq_length=..., micro_batch_size=..., global_batch_size=...,
+                        total_tokens=..., seed=..., dp_rank=..., dp_size=..., show_progress=...)
+
+``python -m data.prepare`` tokenizes JSONL/text into megatron-core indexed datasets;
+``python -m data.bench`` measures the loader. ``import data`` stays light: torch and
+megatron-core load on first use of ``build_data``.
+"""
+
+from data.config import (
+    CategoryConfig,
+    DataConfig,
+    DataConfigError,
+    DemoConfig,
+    MissingDataError,
+    PhaseConfig,
+    validate_config,
+)
+
+__all__ = [
+    "CategoryConfig", "DataConfig", "DataConfigError", "DemoConfig", "MissingDataError", "PhaseConfig",
+    "validate_config", "build_data", "DataBundle", "StreamingBlend",
+]
+
+
+def __getattr__(name):  # PEP 562: lazy heavy imports
+    if name in ("build_data", "DataBundle"):
+        from data import build as _b
+
+        return getattr(_b, name)
+    if name == "StreamingBlend":
+        from data.blend import StreamingBlend
+
+        return StreamingBlend
+    raise AttributeError(f"module 'data' has no attribute {name!r}")
