@@ -20,8 +20,8 @@ class ModelConfig:
     num_attention_heads: int = 8
     num_query_groups: int = 2
     kv_channels: int = 32
-    mamba_num_heads: int = 8
-    mamba_head_dim: int = 64
+    mamba_num_heads: int = 32
+    mamba_head_dim: int = 16
     mamba_state_dim: int = 64
     mamba_num_groups: int = 2
     mamba_chunk_size: int = 64

@@ -180,6 +180,35 @@ class GatedRMSNorm(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+def _tp_shard(full: torch.Tensor, parts: list[int], rank: int, size: int) -> torch.Tensor:
+    """This rank's shard of a dim-0 concatenation of `parts`, each split evenly over TP ranks
+    (the local layout [x_l, B_l, C_l] of megatron's Mamba parameters)."""
+    if size == 1:
+        return full
+    return torch.cat([p.chunk(size, dim=0)[rank] for p in full.split(parts, dim=0)]).clone()
+
+
+def _tp_consistent_init(init_method, parts: list[int], tp_size: int):
+    """Wrap in_proj's init so every TP size starts from the same logical [z, x, B, C, dt] weight.
+
+    megatron's CPU initialisation draws the full weight and gives rank r the r-th contiguous
+    block of rows, which this mixer reads as [z_r, x_r, B_r, C_r, dt_r]. Drawing in the TP=1
+    layout and reordering the rows to the concatenation of those per-rank layouts makes the
+    contiguous split hand each rank exactly its shard of the TP=1 weight.
+    """
+
+    def init(weight: torch.Tensor) -> None:
+        init_method(weight)
+        if tp_size > 1 and weight.shape[0] == sum(parts) and weight.device.type != "meta":
+            pieces = weight.split(parts, dim=0)
+            reordered = torch.cat(
+                [torch.cat([p.chunk(tp_size, dim=0)[r] for p in pieces]) for r in range(tp_size)]
+            )
+            weight.copy_(reordered)
+
+    return init
+
+
 def _param_rng_context():
     """megatron initialises conv1d / dt / A under the model-parallel CUDA RNG fork (distinct
     values per TP rank). Use it when it exists; on CPU there is no tracker: default RNG."""
@@ -309,7 +338,12 @@ class MambaMixer(MegatronModule):
             self.d_model,
             self.d_inner * 2 + 2 * self.ngroups * self.d_state + self.nheads,
             config=self.config,
-            init_method=self.config.init_method,
+            init_method=_tp_consistent_init(
+                self.config.init_method,
+                [self.d_inner, self.d_inner, self.ngroups * self.d_state,
+                 self.ngroups * self.d_state, self.nheads],
+                tp_size,
+            ),
             gather_output=False,
             bias=bias,
             skip_bias_add=False,
@@ -319,6 +353,12 @@ class MambaMixer(MegatronModule):
         )
 
         conv_dim = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state  # x B C
+        # Draw each per-channel / per-head parameter at its full (TP=1) size and keep this rank's
+        # shard, so a TP=2 model starts from exactly the TP=1 weights (megatron's
+        # use_cpu_initialization does the same for the linears). Megatron's GPU path draws
+        # per-rank values under the model-parallel RNG fork instead.
+        tp_rank, tp_size = self.tp_group.rank(), tp_size
+        conv_parts = [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state]
         with _param_rng_context():
             # weight [conv_dim, 1, d_conv], bias [conv_dim]; forward pads causally itself
             self.conv1d = nn.Conv1d(
@@ -328,35 +368,43 @@ class MambaMixer(MegatronModule):
                 kernel_size=d_conv,
                 groups=conv_dim,
                 padding=d_conv - 1,
-                device=device,
+                device="meta",
                 dtype=params_dtype,
             )
-            setattr(self.conv1d.weight, "tensor_model_parallel", True)
-            if conv_bias:
-                setattr(self.conv1d.bias, "tensor_model_parallel", True)
+            full_conv = nn.Conv1d(sum(conv_parts), sum(conv_parts), kernel_size=d_conv,
+                                  groups=sum(conv_parts), bias=conv_bias, device=device,
+                                  dtype=params_dtype)
             if config.perform_initialization:
                 if self.conv_init is not None:
-                    nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+                    nn.init.uniform_(full_conv.weight, -self.conv_init, self.conv_init)
                 else:
-                    nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
+                    nn.init.kaiming_uniform_(full_conv.weight, a=math.sqrt(5))
+            self.conv1d.weight = nn.Parameter(
+                _tp_shard(full_conv.weight.data, conv_parts, tp_rank, tp_size))
+            setattr(self.conv1d.weight, "tensor_model_parallel", True)
+            if conv_bias:
+                self.conv1d.bias = nn.Parameter(
+                    _tp_shard(full_conv.bias.data, conv_parts, tp_rank, tp_size))
+                setattr(self.conv1d.bias, "tensor_model_parallel", True)
+            del full_conv
 
         with _param_rng_context():
             # dt_bias: softplus(dt_bias) log-uniform in [dt_min, dt_max], floored
             dt = torch.exp(
-                torch.rand(self.nheads_local_tp, device=device, dtype=params_dtype)
+                torch.rand(self.nheads, device=device, dtype=params_dtype)
                 * (math.log(dt_max) - math.log(dt_min))
                 + math.log(dt_min)
             ).clamp(min=dt_init_floor)
             inv_dt = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-            self.dt_bias = nn.Parameter(inv_dt)
+            self.dt_bias = nn.Parameter(_tp_shard(inv_dt, [self.nheads], tp_rank, tp_size))
             setattr(self.dt_bias, "tensor_model_parallel", True)
 
             assert A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]
             # megatron leaves A uninitialised when perform_initialization=False (log of garbage);
             # we always draw it — it is overwritten by a checkpoint load anyway.
-            A = torch.empty(self.nheads_local_tp, dtype=torch.float32, device=device)
+            A = torch.empty(self.nheads, dtype=torch.float32, device=device)
             A.uniform_(*A_init_range)
-            self.A_log = nn.Parameter(torch.log(A))  # fp32
+            self.A_log = nn.Parameter(_tp_shard(torch.log(A), [self.nheads], tp_rank, tp_size))
             setattr(self.A_log, "tensor_model_parallel", True)
 
         self.D = nn.Parameter(torch.ones(self.nheads_local_tp, device=device))  # fp32
