@@ -1,0 +1,34 @@
+"""NVFP4 pretraining numerics: quantizers (NVFP4, MXFP4, FP8 block), the 16-point RHT, stochastic
+rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas.
+
+Depends on torch only. (policy.py and te_mapping.py, written separately, are the only modules that
+know Megatron / TE, and import them lazily.)
+"""
+
+from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
+from nvfp4_recipe.diagnostics import quantization_error_stats, quantize_dequantize
+from nvfp4_recipe.fp8_block import FP8BlockTensor, quantize_fp8_block
+from nvfp4_recipe.hadamard import TE_RHT_SIGNS, random_hadamard_transform, rht_matrix
+from nvfp4_recipe.linear import nvfp4_linear, quantized_linear
+from nvfp4_recipe.mxfp4 import MXFP4Tensor, quantize_mxfp4
+from nvfp4_recipe.nvfp4 import NVFP4Tensor, quantize_nvfp4
+
+__all__ = [
+    "FP8BlockConfig",
+    "FP8BlockTensor",
+    "MXFP4Config",
+    "MXFP4Tensor",
+    "NVFP4Config",
+    "NVFP4Tensor",
+    "QuantConfig",
+    "TE_RHT_SIGNS",
+    "nvfp4_linear",
+    "quantization_error_stats",
+    "quantize_dequantize",
+    "quantize_fp8_block",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "quantized_linear",
+    "random_hadamard_transform",
+    "rht_matrix",
+]

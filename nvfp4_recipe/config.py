@@ -1,0 +1,72 @@
+"""Typed, frozen configs of the emulated quantized linear, one per format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Gemm = Literal["fast", "exact"]
+_GEMMS = ("fast", "exact")
+
+
+def _check_gemm(gemm: str, owner: str) -> None:
+    if gemm not in _GEMMS:
+        raise ValueError(f"{owner}.gemm={gemm!r} is not supported; use 'fast' or 'exact'")
+
+
+@dataclass(frozen=True)
+class NVFP4Config:
+    """NVFP4 recipe of the paper / TE NVFP4BlockScaling. Each flag switches one ingredient off.
+
+    rht:                16-point RHT on both Wgrad operands (TE disable_rht=False).
+    stochastic_rounding: SR on the gradient dY for Dgrad and Wgrad (TE disable_stochastic_rounding).
+    weight_2d:          16x16 weight tiles; off = 1x16 blocks along K (Fprop) and along N (Dgrad),
+                        each quantized separately (TE disable_2d_quantization).
+    quantize_forward:   off = Fprop in plain high precision (late switch to BF16).
+    quantize_backward:  off = Dgrad and Wgrad unquantized.
+    gemm:               "fast" (default, training): bf16 GEMM of the exact q*s operands, FP32 tensor
+                        scales applied to its bf16 output (one extra rounding, <= 1 bf16 ulp);
+                        "exact": FP32 GEMM of q*s, then the scales (what the hardware computes, up
+                        to summation order).
+    """
+
+    rht: bool = True
+    stochastic_rounding: bool = True
+    weight_2d: bool = True
+    quantize_forward: bool = True
+    quantize_backward: bool = True
+    gemm: Gemm = "fast"
+
+    def __post_init__(self) -> None:
+        _check_gemm(self.gemm, "NVFP4Config")
+
+
+@dataclass(frozen=True)
+class MXFP4Config:
+    """MXFP4 comparison: 1x32 E8M0-scaled blocks on all operands, nearest rounding; optional SR on
+    the gradient operands (default off)."""
+
+    stochastic_rounding: bool = False
+    quantize_forward: bool = True
+    quantize_backward: bool = True
+    gemm: Gemm = "fast"
+
+    def __post_init__(self) -> None:
+        _check_gemm(self.gemm, "MXFP4Config")
+
+
+@dataclass(frozen=True)
+class FP8BlockConfig:
+    """FP8 E4M3 block scaling as TE Float8BlockScaling: weights 128x128, activations and gradients
+    1x128, nearest rounding, power-of-two FP32 scales (TE's default)."""
+
+    power_2_scales: bool = True
+    quantize_forward: bool = True
+    quantize_backward: bool = True
+    gemm: Gemm = "fast"
+
+    def __post_init__(self) -> None:
+        _check_gemm(self.gemm, "FP8BlockConfig")
+
+
+QuantConfig = NVFP4Config | MXFP4Config | FP8BlockConfig

@@ -1,0 +1,214 @@
+"""Element and scale formats shared by the quantizers: FP4 E2M1, FP8 E4M3, E8M0, and input checks.
+
+The E2M1 rounding kernels here work in place on float32 tensors that are already scaled and clamped
+to [-6, 6]; the quantizers (nvfp4.py, mxfp4.py) call them on cache-sized chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FP32_MAX = torch.finfo(torch.float32).max
+# fp32(1/6): TE multiplies by the FP32 reciprocal of 6 instead of dividing (notes, step 4).
+FP32_RECIPROCAL_OF_6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)
+
+# Magnitudes of codes 0..7; codes 8..15 are their negatives (code 8 is -0.0).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+_EXPONENT_MASK = 0x7F800000
+_ONE_BITS = 0x3F800000  # float32 1.0
+# 1.5 * 2**(E + 22) minus 2**E (both as float32 bit patterns): adding it to the exponent bits of
+# max(|v|, 1) gives the "magic" constant whose ulp is the E2M1 grid step at |v|.
+_MAGIC_OFFSET = 0x0B400000
+_ONE_ULP_EXPONENT = 1 << 23
+_TWO_TO_127_BITS = 0x7F000000  # bits(2**k) + bits(2**-k) for the step's reciprocal
+
+# Chunks of this many elements keep the ~6 float32 scratch buffers of the element kernels in L2.
+CHUNK_ELEMENTS = 1 << 16
+
+_code_to_value_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_magnitude_code_lut_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_code_to_value(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 E2M1 values indexed by code (code 8 decodes to -0.0)."""
+    key = (device, dtype)
+    if key not in _code_to_value_cache:
+        values = list(E2M1_MAGNITUDES) + [-m for m in E2M1_MAGNITUDES]
+        _code_to_value_cache[key] = torch.tensor(values, dtype=dtype, device=device)
+    return _code_to_value_cache[key]
+
+
+def _magnitude_code_lut(device: torch.device) -> torch.Tensor:
+    """Code of an E2M1 magnitude, indexed by (float32 bits >> 22): exponent and top mantissa bit."""
+    if device not in _magnitude_code_lut_cache:
+        lut = torch.zeros(512, dtype=torch.uint8)
+        for code, magnitude in enumerate(E2M1_MAGNITUDES):
+            bits = torch.tensor(magnitude, dtype=torch.float32).view(torch.int32).item()
+            lut[bits >> 22] = code
+        _magnitude_code_lut_cache[device] = lut.to(device)
+    return _magnitude_code_lut_cache[device]
+
+
+class E2M1Scratch:
+    """Reusable chunk-sized buffers for the in-place E2M1 kernels (one set per quantize call)."""
+
+    def __init__(self, numel: int, device: torch.device, stochastic: bool, codes: bool) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        self.scaled = torch.empty(numel, **f32)
+        self.bits = torch.empty(numel, dtype=torch.int32, device=device)
+        self.negative = torch.empty(numel, dtype=torch.bool, device=device) if codes else None
+        self.codes = torch.empty(numel, dtype=torch.uint8, device=device) if codes else None
+        if stochastic:
+            self.floor = torch.empty(numel, **f32)
+            self.uniform = torch.empty(numel, **f32)
+            self.round_up = torch.empty(numel, dtype=torch.bool, device=device)
+
+
+def round_e2m1_nearest_(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Round float32 v (already in [-6, 6]) to the E2M1 grid in place, ties to even.
+
+    Adding M = 1.5 * 2**(22 + E), E = max(exponent(|v|), 0), puts v's grid step (0.5 below 2, 1
+    in [2, 4), 2 in [4, 6]) at M's ulp, so the FP32 adder does the round-to-nearest-even; the
+    parity of M / step is even, so ties go to the even E2M1 mantissa. `bits` is int32 scratch.
+    Values that round to zero come out as +0.0.
+    """
+    torch.bitwise_and(v.view(torch.int32), _EXPONENT_MASK, out=bits)
+    bits.clamp_(min=_ONE_BITS).add_(_MAGIC_OFFSET)
+    magic = bits.view(torch.float32)
+    return v.add_(magic).sub_(magic)
+
+
+def round_e2m1_stochastic_(
+    v: torch.Tensor, scratch: E2M1Scratch, n: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Stochastically round float32 v (in [-6, 6]) to the E2M1 grid; returns the rounded tensor.
+
+    With step the grid spacing at |v| (a power of two) and f = v / step (exact), the result is
+    step * (floor(f) + [u < f - floor(f)]), u ~ U[0, 1) drawn once per element from `generator`:
+    the upper neighbour is taken with probability (v - lo) / (hi - lo) (u has 24 random bits, so
+    the probability is exact to 2**-24). Never leaves the two neighbours; |v| = 6 stays 6.
+    """
+    bits = scratch.bits[:n].view(v.shape)
+    floor = scratch.floor[:n].view(v.shape)
+    uniform = scratch.uniform[:n].view(v.shape)
+    round_up = scratch.round_up[:n].view(v.shape)
+    # step = 2**(max(E, 0) - 1); its reciprocal has the mirrored exponent bits.
+    torch.bitwise_and(v.view(torch.int32), _EXPONENT_MASK, out=bits)
+    bits.clamp_(min=_ONE_BITS).sub_(_ONE_ULP_EXPONENT)
+    step = bits.view(torch.float32)
+    v.div_(step)  # exact: division by a power of two
+    torch.floor(v, out=floor)
+    v.sub_(floor)  # fractional part, exact
+    uniform.uniform_(generator=generator)
+    torch.lt(uniform, v, out=round_up)
+    floor.add_(round_up)
+    return floor.mul_(step)
+
+
+def e2m1_codes_(
+    rounded: torch.Tensor, negative: torch.Tensor, bits: torch.Tensor, codes: torch.Tensor
+) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) of grid values `rounded`; the sign comes from `negative`.
+
+    The sign is taken from the value before rounding (v < 0), as TE's reference does: -0.2 -> code 8
+    (-0), while an input -0.0 -> code 0.
+    """
+    torch.bitwise_and(rounded.view(torch.int32), 0x7FFFFFFF, out=bits)
+    bits.bitwise_right_shift_(22)
+    lut = _magnitude_code_lut(rounded.device)
+    torch.index_select(lut, 0, bits.view(-1), out=codes.view(-1))
+    return codes.add_(negative, alpha=8)
+
+
+def pack_codes(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte, even column in the low nibble: (rows, K) uint8 -> out (rows, K // 2)."""
+    torch.bitwise_left_shift(codes[:, 1::2], 4, out=out)
+    return out.bitwise_or_(codes[:, 0::2])
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """(rows, K // 2) uint8 -> (rows, K) uint8 codes."""
+    codes = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8, device=packed.device)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    return codes
+
+
+def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """E2M1 codes -> values."""
+    return e2m1_code_to_value(codes.device, dtype)[codes.long()]
+
+
+def e8m0_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
+    """int exponents in [-127, 127] -> torch.float8_e8m0fnu (biased by 127)."""
+    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def row_chunks(rows: int, cols: int, multiple: int = 1) -> Iterator[tuple[int, int]]:
+    """Row ranges of about CHUNK_ELEMENTS elements, each a multiple of `multiple` rows.
+
+    Depends on the shape only, so stochastic rounding draws the same numbers for the same shape.
+    """
+    step = max(multiple, (CHUNK_ELEMENTS // max(cols, 1)) // multiple * multiple)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+@contextlib.contextmanager
+def serial_intra_op() -> Iterator[None]:
+    """Run the chunk loops with one intra-op thread.
+
+    Each chunk op is small (~64K elements), so with 2+ threads every op ends in a barrier; on a
+    loaded machine one descheduled thread stalls each barrier for a time slice. Measured on the
+    shared 2-core dev VM (load ~7): 4096^2 1x16 quantize 681 ms with 2 threads vs 114 ms with 1;
+    unloaded, 1 thread costs ~10 %. Restores the previous setting (process-global: do not
+    quantize from several Python threads at once).
+    """
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def as_rows(x: torch.Tensor, block: int, what: str, check_finite: bool) -> torch.Tensor:
+    """Validate a tensor to quantize in blocks of `block` along its last dim; return it as 2-D rows.
+
+    Raises ValueError naming the problem and the fix.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{what}: dtype {x.dtype} cannot be quantized; pass a floating-point tensor "
+            f"(float32, bfloat16, float16 or float64), e.g. x.float()"
+        )
+    if x.dim() == 0:
+        raise ValueError(f"{what}: got a 0-d tensor; need shape (..., K) with K a multiple of {block}")
+    k = x.shape[-1]
+    if k == 0 or k % block != 0:
+        raise ValueError(
+            f"{what}: last dimension is {k} in shape {tuple(x.shape)}; it must be a positive "
+            f"multiple of {block} (pad it with zeros to {max(block, -(-k // block) * block)})"
+        )
+    if check_finite and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{what}: {bad} element(s) are NaN or Inf; quantization needs finite inputs")
+    x2d = x.reshape(-1, k)
+    if x2d.dtype == torch.float64:
+        x2d = x2d.float()  # all quantizer arithmetic is FP32; float64 is rounded once here
+    return x2d.contiguous()

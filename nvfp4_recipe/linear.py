@@ -1,0 +1,283 @@
+"""Emulated quantized linear layers (autograd): what TE's NVFP4 / MXFP4 / FP8-block GEMMs compute.
+
+For y = x W^T + b with x (T, K) (any leading dims; T = their product), W (N, K):
+  Fprop  y  = Q(x, blocks along K) @ Q(W, blocks along K)^T
+  Dgrad  dx = Q(dY, blocks along N) @ Q(W, blocks along N)
+  Wgrad  dW = Q(dY^T, blocks along T) @ Q(x^T, blocks along T)^T
+NVFP4: x 1x16 nearest; W 16x16 tiles (the same quantized W serves Fprop and Dgrad, as in TE);
+dY 1x16 stochastic; both Wgrad operands get the 16-point RHT along T and their own amax.
+Each copy is quantized from the high-precision tensor. T is zero-padded to a multiple of the
+block for the Wgrad operands (zeros add nothing to dW). K and N must be multiples of the block
+(16 NVFP4, 32 MXFP4, 128 FP8) or a ValueError is raised.
+
+GEMMs: operands are the exact q*s values; config.gemm = "fast" runs a bf16 GEMM (FP32 accumulation
+inside, output rounded to bf16) and applies the FP32 tensor scales to that output (one extra rounding,
+<= 1 bf16 ulp), "exact" runs it in FP32. Bias and all accumulation stay in high precision.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
+from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values
+from nvfp4_recipe.hadamard import random_hadamard_transform
+from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values
+from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values
+
+
+class GemmOperand(NamedTuple):
+    """values: (rows, reduction) q*s in the GEMM dtype; decode_scale: FP32 0-d tensor scale or None."""
+
+    values: torch.Tensor
+    decode_scale: torch.Tensor | None
+
+    def t(self) -> "GemmOperand":
+        return GemmOperand(self.values.t(), self.decode_scale)
+
+
+def emulated_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
+    """a.values @ b.values^T (both (rows, reduction)), times both decode scales, in FP32."""
+    out = torch.mm(a.values, b.values.t()).float()
+    if a.decode_scale is not None and b.decode_scale is not None:
+        out.mul_(a.decode_scale * b.decode_scale)
+    return out
+
+
+class _FormatOps:
+    """How one format quantizes each GEMM operand. Subclasses set `block` and the quantizers."""
+
+    block: int
+    name: str
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+        self.gemm_dtype = torch.bfloat16 if config.gemm == "fast" else torch.float32
+
+    def check_shapes(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{self.name} linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+                f"match; need x (..., K) and weight (N, K)"
+            )
+        n, k = weight.shape
+        for dim_name, size in (("K (in_features)", k), ("N (out_features)", n)):
+            if size % self.block:
+                raise ValueError(
+                    f"{self.name} linear: {dim_name} = {size} is not a multiple of the {self.block}-"
+                    f"element block; pad the layer to {-(-size // self.block) * self.block} or keep it "
+                    f"in high precision"
+                )
+
+    def activation(self, x2d: torch.Tensor) -> GemmOperand: ...
+    def weight_fprop(self, weight: torch.Tensor) -> GemmOperand: ...
+    def weight_dgrad(self, weight: torch.Tensor, fprop: GemmOperand | None) -> GemmOperand: ...
+    def grad_dgrad(self, dy2d: torch.Tensor, generator: torch.Generator | None) -> GemmOperand: ...
+    def grad_wgrad(self, dy_t: torch.Tensor, generator: torch.Generator | None) -> GemmOperand: ...
+    def activation_wgrad(self, x_t: torch.Tensor) -> GemmOperand: ...
+
+
+class _NVFP4Ops(_FormatOps):
+    block = BLOCK
+    name = "NVFP4"
+    config: NVFP4Config
+
+    def _q(self, t: torch.Tensor, tile_rows: int = 1, stochastic: bool = False,
+           generator: torch.Generator | None = None) -> GemmOperand:
+        return GemmOperand(*nvfp4_scaled_values(t, tile_rows, stochastic, generator, self.gemm_dtype))
+
+    def activation(self, x2d):
+        return self._q(x2d)
+
+    def weight_fprop(self, weight):
+        return self._q(weight, BLOCK if self.config.weight_2d else 1)
+
+    def weight_dgrad(self, weight, fprop):
+        if self.config.weight_2d:  # 16x16 tiles are transpose-symmetric: reuse Fprop's copy
+            return (fprop if fprop is not None else self.weight_fprop(weight)).t()
+        return self._q(weight.t().contiguous())  # 1x16 blocks along N
+
+    def grad_dgrad(self, dy2d, generator):
+        return self._q(dy2d, 1, self.config.stochastic_rounding, generator)
+
+    def _wgrad_input(self, t):
+        return random_hadamard_transform(t, out_dtype=torch.float32) if self.config.rht else t
+
+    def grad_wgrad(self, dy_t, generator):
+        return self._q(self._wgrad_input(dy_t), 1, self.config.stochastic_rounding, generator)
+
+    def activation_wgrad(self, x_t):
+        return self._q(self._wgrad_input(x_t))
+
+
+class _MXFP4Ops(_FormatOps):
+    block = MX_BLOCK
+    name = "MXFP4"
+    config: MXFP4Config
+
+    def _q(self, t, stochastic=False, generator=None):
+        return GemmOperand(mxfp4_dequantized_values(t, stochastic, generator, self.gemm_dtype), None)
+
+    def activation(self, x2d):
+        return self._q(x2d)
+
+    def weight_fprop(self, weight):
+        return self._q(weight)
+
+    def weight_dgrad(self, weight, fprop):
+        return self._q(weight.t().contiguous())
+
+    def grad_dgrad(self, dy2d, generator):
+        return self._q(dy2d, self.config.stochastic_rounding, generator)
+
+    def grad_wgrad(self, dy_t, generator):
+        return self._q(dy_t, self.config.stochastic_rounding, generator)
+
+    def activation_wgrad(self, x_t):
+        return self._q(x_t)
+
+
+class _FP8BlockOps(_FormatOps):
+    block = FP8_BLOCK
+    name = "FP8 block"
+    config: FP8BlockConfig
+
+    def __init__(self, config: FP8BlockConfig) -> None:
+        super().__init__(config)
+        if not config.power_2_scales:  # q * (1/scale) is exact in bf16 only for power-of-two scales
+            self.gemm_dtype = torch.float32
+
+    def _q(self, t, block=(1, FP8_BLOCK)):
+        values = fp8_block_dequantized_values(t, block, self.config.power_2_scales, self.gemm_dtype)
+        return GemmOperand(values, None)
+
+    def activation(self, x2d):
+        return self._q(x2d)
+
+    def weight_fprop(self, weight):
+        return self._q(weight, (FP8_BLOCK, FP8_BLOCK))
+
+    def weight_dgrad(self, weight, fprop):
+        return (fprop if fprop is not None else self.weight_fprop(weight)).t()
+
+    def grad_dgrad(self, dy2d, generator):
+        return self._q(dy2d)
+
+    def grad_wgrad(self, dy_t, generator):
+        return self._q(dy_t)
+
+    def activation_wgrad(self, x_t):
+        return self._q(x_t)
+
+
+def _ops_for(config: QuantConfig) -> _FormatOps:
+    if isinstance(config, NVFP4Config):
+        return _NVFP4Ops(config)
+    if isinstance(config, MXFP4Config):
+        return _MXFP4Ops(config)
+    if isinstance(config, FP8BlockConfig):
+        return _FP8BlockOps(config)
+    raise ValueError(
+        f"config of type {type(config).__name__} is not supported; pass NVFP4Config, MXFP4Config, "
+        f"FP8BlockConfig, or None for plain high precision"
+    )
+
+
+def _transpose_padded(t2d: torch.Tensor, multiple: int) -> torch.Tensor:
+    """(T, C) -> FP32 (C, T_pad) with T zero-padded to a multiple of `multiple` (Wgrad operands)."""
+    tokens, cols = t2d.shape
+    padded = -(-tokens // multiple) * multiple
+    out = torch.empty(cols, padded, dtype=torch.float32, device=t2d.device)
+    out[:, :tokens].copy_(t2d.t())
+    out[:, tokens:].zero_()
+    return out
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ops: _FormatOps, generator):
+        config = ops.config
+        k = x.shape[-1]
+        x2d = x.reshape(-1, k)
+        weight_operand = None
+        if config.quantize_forward:
+            weight_operand = ops.weight_fprop(weight)
+            y = emulated_gemm(ops.activation(x2d), weight_operand)
+            if bias is not None:
+                y.add_(bias.float())
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(x2d, weight, bias)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        reuse_weight = need_dx and config.quantize_backward and weight_operand is not None
+        ctx.ops, ctx.generator = ops, generator
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        saved_values = weight_operand.values if reuse_weight else None
+        saved_scale = weight_operand.decode_scale if reuse_weight else None
+        ctx.save_for_backward(x2d if need_dw else None, weight, saved_values, saved_scale)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, saved_values, saved_scale = ctx.saved_tensors
+        ops: _FormatOps = ctx.ops
+        dy2d = dy.reshape(-1, weight.shape[0])
+        dx = dw = db = None
+        if not ops.config.quantize_backward:
+            if ctx.needs_input_grad[0]:
+                dx = dy2d.mm(weight.to(dy2d.dtype))
+            if ctx.needs_input_grad[1]:
+                dw = dy2d.t().mm(x2d.to(dy2d.dtype))
+        else:
+            if ctx.needs_input_grad[0]:  # Dgrad first, then Wgrad: a fixed order of SR draws
+                fprop = GemmOperand(saved_values, saved_scale) if saved_values is not None else None
+                dx = emulated_gemm(ops.grad_dgrad(dy2d, ctx.generator), ops.weight_dgrad(weight, fprop))
+            if ctx.needs_input_grad[1]:
+                dy_t = _transpose_padded(dy2d, ops.block)
+                x_t = _transpose_padded(x2d, ops.block)
+                dw = emulated_gemm(ops.grad_wgrad(dy_t, ctx.generator), ops.activation_wgrad(x_t))
+        if dx is not None:
+            dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
+        if dw is not None:
+            dw = dw.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        return dx, dw, db, None, None
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: QuantConfig | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One entry point for all formats: dispatches on the config type (NVFP4Config, MXFP4Config,
+    FP8BlockConfig); None, or both quantize_forward and quantize_backward off, is exactly F.linear.
+    `generator` drives stochastic rounding (None: torch's global RNG)."""
+    if config is None or not (config.quantize_forward or config.quantize_backward):
+        if config is not None:
+            _ops_for(config)  # still reject unknown config types
+        return F.linear(x, weight, bias)
+    ops = _ops_for(config)
+    ops.check_shapes(x, weight)
+    return _QuantizedLinear.apply(x, weight, bias, ops, generator)
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: NVFP4Config = NVFP4Config(),
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Emulated NVFP4 linear (TE's NVFP4BlockScaling GEMMs); see the module docstring."""
+    if not isinstance(config, NVFP4Config):
+        raise ValueError(
+            f"nvfp4_linear needs an NVFP4Config, got {type(config).__name__}; use quantized_linear "
+            f"for other formats"
+        )
+    return quantized_linear(x, weight, bias, config, generator)

@@ -1,0 +1,229 @@
+"""NVFP4 quantization: E2M1 elements, E4M3 scales per 1x16 block (or 16x16 tile), FP32 tensor scale.
+
+Bit-exact to Transformer Engine's default (non-"4over6") path; the formulas and their operation
+order are in /work/shared/notes/nvfp4-recipe.md ("Quantization, exactly as TE computes it").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from nvfp4_recipe.formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FP32_MAX,
+    FP32_RECIPROCAL_OF_6,
+    E2M1Scratch,
+    as_rows,
+    e2m1_codes_,
+    pack_codes,
+    round_e2m1_nearest_,
+    round_e2m1_stochastic_,
+    row_chunks,
+    serial_intra_op,
+    CHUNK_ELEMENTS,
+    unpack_codes,
+    decode_e2m1,
+)
+
+BLOCK = 16
+Tile = tuple[int, int]
+Rounding = Literal["nearest", "stochastic"]
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """An NVFP4-quantized tensor in TE's storage layout.
+
+    data:   uint8 (rows, K // 2), two E2M1 codes per byte, even column in the low nibble.
+    scales: torch.float8_e4m3fn (rows, K // 16); for 16x16 tiles each tile's scale is repeated over
+            its 16 rows.
+    amax:   float32 0-d, max |x| of the quantized tensor.
+    shape:  the original shape (leading dims were flattened into rows).
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    amax: torch.Tensor
+    shape: torch.Size
+    tile: Tile = (1, BLOCK)
+
+    @property
+    def decode_scale(self) -> torch.Tensor:
+        """The FP32 tensor decode scale S_dec = 1 / S_enc."""
+        return tensor_scales(self.amax)[1]
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked E2M1 codes, (rows, K) uint8."""
+        return unpack_codes(self.data)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x_hat = q * fp32(s) * S_dec, in `dtype`, with the original shape."""
+        rows, k = self.data.shape[0], self.data.shape[1] * 2
+        q = decode_e2m1(self.codes()).view(rows, k // BLOCK, BLOCK)
+        x_hat = (q * self.scales.float().unsqueeze(-1)) * self.decode_scale
+        return x_hat.view(self.shape).to(dtype)
+
+
+def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_enc, S_dec) from the tensor amax, in FP32: S_enc = min(448 * 6 / amax, FLT_MAX), 0 -> 1."""
+    s_enc = torch.clamp(torch.div(E4M3_MAX * E2M1_MAX, amax), max=FP32_MAX)
+    s_enc = torch.where(s_enc == 0, torch.ones_like(s_enc), s_enc)
+    return s_enc, torch.div(1.0, s_enc)
+
+
+def _block_amax(x2d: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """max |x| per 1x16 block, or per 16x16 tile repeated over its rows: float32 (rows, K // 16)."""
+    rows, k = x2d.shape
+    vec_max = torch.empty(rows, k // BLOCK, dtype=torch.float32, device=x2d.device)
+    scratch = torch.empty(_chunk_numel(k), dtype=torch.float32, device=x2d.device)
+    with serial_intra_op():
+        for start, stop in row_chunks(rows, k):
+            _block_amax_chunk(x2d, scratch, vec_max, start, stop)
+    if tile_rows > 1:
+        tile_max = vec_max.view(rows // tile_rows, tile_rows, k // BLOCK).amax(dim=1)
+        vec_max = tile_max.repeat_interleave(tile_rows, dim=0)
+    return vec_max
+
+
+def _block_amax_chunk(
+    x2d: torch.Tensor, scratch: torch.Tensor, vec_max: torch.Tensor, start: int, stop: int
+) -> None:
+    rows, k = stop - start, x2d.shape[1]
+    chunk = scratch[: rows * k].view(1, rows, k)
+    chunk.copy_(x2d[start:stop]).abs_()
+    # max_pool1d is several times faster on CPU than amax over a trailing dim of 16.
+    pooled = torch.nn.functional.max_pool1d(chunk, BLOCK, BLOCK)
+    vec_max[start:stop].copy_(pooled.view(rows, k // BLOCK))
+
+
+def _chunk_numel(k: int) -> int:
+    return max(k, CHUNK_ELEMENTS // k * k)
+
+
+def block_scales(
+    vec_max: torch.Tensor, amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E4M3 block scales s, FP32 encode scales e, S_dec) from block and tensor amax (notes 2-5)."""
+    s_enc, s_dec = tensor_scales(amax)
+    multiplier = s_enc * FP32_RECIPROCAL_OF_6.to(s_enc.device)  # formed first, in FP32
+    scale = torch.clamp(vec_max * multiplier, max=FP32_MAX).clamp_(-E4M3_MAX, E4M3_MAX)
+    scale_e4m3 = scale.to(torch.float8_e4m3fn)  # round to nearest even
+    encode = torch.clamp(torch.div(1.0, scale_e4m3.float() * s_dec), max=FP32_MAX)
+    return scale_e4m3, encode, s_dec
+
+
+def _check_tile(tile: Tile) -> int:
+    if tuple(tile) not in ((1, BLOCK), (BLOCK, BLOCK)):
+        raise ValueError(f"tile={tile!r} is not supported; use (1, 16) or (16, 16)")
+    return tile[0]
+
+
+def _check_rounding(rounding: str) -> bool:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+    return rounding == "stochastic"
+
+
+def _as_nvfp4_rows(x: torch.Tensor, tile_rows: int, check_finite: bool) -> torch.Tensor:
+    x2d = as_rows(x, BLOCK, "quantize_nvfp4", check_finite)
+    if x2d.shape[0] % tile_rows != 0:
+        raise ValueError(
+            f"quantize_nvfp4: 16x16 tiles need a row count that is a multiple of 16, got "
+            f"{x2d.shape[0]} rows from shape {tuple(x.shape)}; pad the rows with zeros or use tile=(1, 16)"
+        )
+    return x2d
+
+
+def quantize_nvfp4_core(
+    x2d: torch.Tensor,
+    tile_rows: int,
+    stochastic: bool,
+    generator: torch.Generator | None,
+    want_codes: bool,
+    values_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize contiguous 2-D x2d (rows, K). Returns (packed codes | None, E4M3 scales, amax,
+    S_dec, scaled values q * s | None).
+
+    The scaled values q * s are exact in bfloat16 (<= 6 significant bits, in [2**-10, 2688]), so a
+    GEMM on them with FP32 accumulation times the two S_dec computes what FP4 tensor cores compute.
+    Two passes over x: block amax, then scale / round / encode chunk by chunk in L2-sized buffers.
+    """
+    rows, k = x2d.shape
+    device = x2d.device
+    vec_max = _block_amax(x2d, tile_rows)
+    amax = vec_max.amax() if vec_max.numel() else torch.zeros((), device=device)
+    scale_e4m3, encode, s_dec = block_scales(vec_max, amax)
+    decode = scale_e4m3.float() if values_dtype is not None else None
+
+    packed = torch.empty(rows, k // 2, dtype=torch.uint8, device=device) if want_codes else None
+    values = torch.empty(rows, k, dtype=values_dtype, device=device) if values_dtype else None
+    scratch = E2M1Scratch(_chunk_numel(k), device, stochastic, want_codes)
+    blocks = k // BLOCK
+    with serial_intra_op():
+        for start, stop in row_chunks(rows, k):
+            r = stop - start
+            n = r * k
+            v = scratch.scaled[:n].view(r, blocks, BLOCK)
+            # Same-dtype in-place ops: mixed-dtype `out=` calls take slow paths on CPU.
+            v.copy_(x2d[start:stop].view(r, blocks, BLOCK))
+            v.mul_(encode[start:stop].unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)
+            if want_codes:
+                negative = torch.lt(v, 0, out=scratch.negative[:n].view(v.shape))
+            bits = scratch.bits[:n].view(v.shape)
+            if stochastic:
+                rounded = round_e2m1_stochastic_(v, scratch, n, generator)
+            else:
+                rounded = round_e2m1_nearest_(v, bits)
+            if want_codes:
+                codes = e2m1_codes_(rounded, negative, bits, scratch.codes[:n].view(v.shape))
+                pack_codes(codes.view(r, k), packed[start:stop])
+            if values is not None:
+                values[start:stop].view(v.shape).copy_(rounded.mul_(decode[start:stop].unsqueeze(-1)))
+    return packed, scale_e4m3, amax, s_dec, values
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    tile: Tile = (1, BLOCK),
+    rounding: Rounding = "nearest",
+    generator: torch.Generator | None = None,
+    check_finite: bool = False,
+) -> NVFP4Tensor:
+    """Quantize x (..., K), K a multiple of 16, to NVFP4 exactly as Transformer Engine does.
+
+    Leading dims are flattened into rows. tile=(1, 16): one scale per 16 values along K;
+    tile=(16, 16): one per 16x16 tile (rows must be a multiple of 16), TE's 2-D weight scaling.
+    rounding="stochastic" draws one uniform per element from `generator` (None: torch's global
+    RNG, which the trainer checkpoints). check_finite=True rejects NaN/Inf with a ValueError.
+    """
+    tile_rows = _check_tile(tile)
+    stochastic = _check_rounding(rounding)
+    x2d = _as_nvfp4_rows(x, tile_rows, check_finite)
+    packed, scales, amax, _, _ = quantize_nvfp4_core(
+        x2d, tile_rows, stochastic, generator, want_codes=True, values_dtype=None
+    )
+    return NVFP4Tensor(packed, scales, amax, x.shape, (tile_rows, BLOCK))
+
+
+def nvfp4_scaled_values(
+    x2d: torch.Tensor,
+    tile_rows: int = 1,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q * s in `dtype`, S_dec): the GEMM operand of an emulated NVFP4 GEMM, no code packing.
+
+    x2d must be 2-D with K % 16 == 0 (and rows % 16 == 0 for tile_rows=16). q * s is exact in
+    bfloat16 and float32; the dequantized tensor is (q * s) * S_dec.
+    """
+    x2d = _as_nvfp4_rows(x2d, tile_rows, check_finite=False)
+    _, _, _, s_dec, values = quantize_nvfp4_core(
+        x2d, tile_rows, stochastic, generator, want_codes=False, values_dtype=dtype
+    )
+    return values, s_dec

@@ -1,0 +1,42 @@
+"""Run train.py in a subprocess (as a user would) and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small, fast configuration of the demo (seconds per step on 2 cores).
+FAST = [
+    "trainer.seq_length=128", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+    "trainer.warmup_steps=2", "trainer.eval_batches=2", "logger.mode=disabled",
+]
+
+
+def run_train(run_dir: Path, *overrides: str, nproc: int = 1, cache_dir: Path | None = None,
+              timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if cache_dir is not None:
+        full_env["NVFP4_CACHE"] = str(cache_dir)
+    args = [f"run.dir={run_dir}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--local-ranks-filter=0", str(REPO / "train.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the last record for that step (a resumed run re-logs its steps)."""
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
