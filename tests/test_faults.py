@@ -1,0 +1,118 @@
+"""Faults a cluster job meets: SIGKILL at any moment, torn/corrupt checkpoints, NaN losses, signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from train_helpers import FAST, REPO, read_metrics, run_train, step_losses
+from training.checkpoint import latest_valid_checkpoint, verify_checkpoint
+
+# BF16 keeps these fast; the NVFP4 resume test (test_train_e2e) covers the SR RNG state.
+ARGS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100",
+        "trainer.keep_last=10"]
+
+
+def _popen_train(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "NVFP4_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}",
+                             *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists():
+            done = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+            if done and done[-1] >= step:
+                return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_cache):
+    reference = tmp_path / "reference"
+    assert run_train(reference, *ARGS, cache_dir=data_cache).returncode == 0
+    expected = step_losses(reference)
+
+    killed = tmp_path / "killed"
+    kill_after = random.Random(os.getpid()).randint(2, 5)  # any moment, even mid-checkpoint
+    proc = _popen_train(killed, data_cache, *ARGS)
+    _wait_for_step(killed, kill_after, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = run_train(killed, *ARGS, cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The resumed steps re-log; their losses equal the uninterrupted run's, bit for bit.
+    assert step_losses(killed) == expected, f"killed after step {kill_after}"
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_75_then_resumes(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    proc = _popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
+    _wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out
+    stopped_at = max(m["step"] for m in read_metrics(run_dir) if "loss" in m)
+    assert latest_valid_checkpoint(run_dir / "checkpoints").name == f"step_{stopped_at:07d}"
+    assert run_train(run_dir, *ARGS, "trainer.save_every=100",
+                     cache_dir=data_cache).returncode == 0
+    assert max(step_losses(run_dir)) == 6
+
+
+@pytest.mark.slow
+def test_corrupt_or_torn_latest_checkpoint_falls_back_to_the_previous(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "trainer.max_steps=4"]
+    assert run_train(run_dir, *args, cache_dir=data_cache).returncode == 0
+    root = run_dir / "checkpoints"
+    assert verify_checkpoint(root / "step_0000004") is None
+    shard = root / "step_0000004" / "model_tp0_pp0.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    shard.write_bytes(bytes(data))
+    (root / "step_0000006").mkdir()  # a torn write: no manifest
+    assert "checksum" in verify_checkpoint(root / "step_0000004")
+    assert latest_valid_checkpoint(root).name == "step_0000002"
+
+    proc = run_train(run_dir, *[a for a in args if "max_steps" not in a], "trainer.max_steps=5",
+                     cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "step_0000006 is unusable: no manifest" in log
+    assert "step_0000004 is unusable" in log and "resumed from" in log
+    assert "step_0000002" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_loss_stops_or_skips_and_never_checkpoints_nan_weights(tmp_path, data_cache, policy):
+    run_dir = tmp_path / policy
+    # An absurd learning rate without clipping blows the weights up within a few steps.
+    proc = run_train(run_dir, *FAST, "trainer.max_steps=6", "trainer.save_every=1",
+                     "trainer.eval_every=100", "trainer.lr=1e12", "trainer.grad_clip=0",
+                     "trainer.warmup_steps=0", f"trainer.on_nan={policy}", cache_dir=data_cache)
+    log = proc.stdout + proc.stderr
+    metrics = [m for m in read_metrics(run_dir) if "loss" in m]
+    if policy == "stop":
+        assert proc.returncode == 4, log
+        assert "is not finite" in log
+    else:
+        assert proc.returncode == 0, log
+        assert metrics[-1]["skipped_steps"] > 0
+    for ckpt in (run_dir / "checkpoints").glob("step_*"):
+        state = torch.load(ckpt / "model_tp0_pp0.pt", weights_only=True)["model"]
+        assert all(torch.isfinite(t).all() for t in state.values() if torch.is_tensor(t)), ckpt
