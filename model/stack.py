@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from typing import Callable, Optional, Sequence
 
 from megatron.core.ssm.mamba_block import MambaStack
+import torch
 from torch import nn
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -63,8 +64,12 @@ class HybridStack(MambaStack):
         self.layer_contexts = list(contexts[offset : offset + len(symbols)])
 
         layers = []
+        base_seed = torch.initial_seed()
         for i, kind in enumerate(layer_kinds[offset : offset + len(symbols)]):
             spec = layer_specs[offset + i]
+            # Each layer draws its initial weights from its own seed, so a pipeline stage that
+            # builds only some layers starts from exactly the weights one process would have.
+            torch.manual_seed(base_seed + 1 + offset + i)
             with self.layer_contexts[i]():
                 if kind == "mamba":
                     layer = build_module(

@@ -22,6 +22,7 @@ from .config import TrainConfig, validate
 from .distributed import ParallelContext, init_distributed, shutdown
 from .metrics import MetricsSink, render, setup_logging, start_wandb, status_line
 from .optim import build_optimizer
+from .pipeline import run_micro_batches
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -71,8 +72,13 @@ class Trainer:
         backend, reason = choose_backend(cfg.precision)
         self.built = build_model(
             cfg.model, cfg.precision, vocab_size=self.data.vocab_size,
-            tensor_parallel=ctx.tensor, backend=backend,
+            tensor_parallel=ctx.tensor, pipeline_parallel=ctx.pipeline, backend=backend,
+            pre_process=ctx.first_stage, post_process=ctx.last_stage,
+            num_layers_in_first_stage=cfg.parallel.first_stage_layers,
+            num_layers_in_last_stage=cfg.parallel.last_stage_layers,
         )
+        # What flows between pipeline stages: [sequence, micro-batch, hidden] activations.
+        self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
         self.model = self.built.module.to(ctx.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, tr)
         # Different stochastic-rounding draws per data-parallel replica, identical otherwise.
@@ -130,11 +136,12 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}")
 
     # -- one step ---------------------------------------------------------------------------
-    def _loss(self, batch: dict) -> torch.Tensor:
+    def _loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Mean next-token loss of one micro-batch (on the last pipeline stage)."""
         dev = self.ctx.device
         tokens, labels = batch["tokens"].to(dev), batch["labels"].to(dev)
         mask = batch["loss_mask"].to(dev)
-        per_token = self.model(tokens, None, None, labels=labels)
+        per_token = model(tokens, None, None, labels=labels)
         return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
     def _all_reduce_mean(self, t: torch.Tensor, group) -> torch.Tensor:
@@ -153,6 +160,8 @@ class Trainer:
                 squares += p.grad.float().pow(2).sum()
         if self.ctx.tensor > 1:
             dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        if self.ctx.pipeline > 1:
+            dist.all_reduce(squares, group=parallel_state.get_pipeline_model_parallel_group())
         return squares.sqrt()
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
@@ -160,13 +169,10 @@ class Trainer:
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.ctx.device)
-        for i, batch in enumerate(micro_batches):
-            diagnose = self._diagnostics_due() and i == len(micro_batches) - 1
-            self.built.runtime_state.collect_diagnostics = diagnose
-            loss = self._loss(batch) / len(micro_batches)
-            loss.backward()
-            total += loss.detach()
+        # Diagnostics, when due, record each linear's last micro-batch.
+        self.built.runtime_state.collect_diagnostics = self._diagnostics_due()
+        total = run_micro_batches(self.model, micro_batches, self.ctx, self._loss,
+                                  self.activation_shape)
         self.built.runtime_state.collect_diagnostics = False
         dp_group = parallel_state.get_data_parallel_group()
         if self.ctx.data > 1:
@@ -217,8 +223,9 @@ class Trainer:
         from megatron.core import parallel_state
 
         self.model.eval()
-        losses = torch.stack([self._loss(b) for b in self.val_batches]).mean()
-        return self._all_reduce_mean(losses, parallel_state.get_data_parallel_group()).item()
+        loss = run_micro_batches(self.model, self.val_batches, self.ctx, self._loss,
+                                 self.activation_shape, forward_only=True)
+        return self._all_reduce_mean(loss, parallel_state.get_data_parallel_group()).item()
 
     def _maybe_switch_precision(self, sink: MetricsSink) -> None:
         switch = self.cfg.precision.switch_to_bf16
