@@ -7,12 +7,17 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
 3. `te_autocast`: `te.fp8_autocast(fp8_recipe=...)` became `te.autocast(recipe=...)` (TE 2.x).
 4. `seed_model_parallel_rng`: megatron's `model_parallel_cuda_manual_seed` reads the CUDA RNG
    (`random.py:235`, 0.16.1); on CPU we seed torch's RNG per TP rank the same way instead.
-No monkeypatching: each item selects or replaces, it never edits megatron's globals.
+5. `cpu_dist_checkpoint_save`: the one patch. megatron's distributed-checkpoint save calls
+   `torch.cuda.synchronize()` after staging tensors (`filesystem_async.py:230`) and allocates a
+   status flag on `torch.cuda.current_device()` (`state_dict_saver.py:252`). On a machine without
+   CUDA, and only for the duration of a save, those two names become "nothing to wait for" and
+   "the CPU". Items 1-4 select or replace; they never edit a library's globals.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 import torch
 
 
@@ -53,3 +58,18 @@ def seed_model_parallel_rng(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     # On CPU there is nothing more to seed: use_cpu_initialization draws each full master
     # weight from the common stream (identical on every TP rank) and dropout is 0.
+
+
+@contextmanager
+def cpu_dist_checkpoint_save():
+    """Let megatron's dist_checkpointing.save run on a CPU-only machine (see item 5)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved

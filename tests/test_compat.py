@@ -44,3 +44,20 @@ def test_megatron_local_attention_still_uses_the_cuda_buffer():
 
     source = inspect.getsource(dot_product_attention.DotProductAttention.forward)
     assert "get_global_memory_buffer" in source
+
+
+def test_dist_checkpoint_save_still_needs_the_cpu_patch():
+    """compat item 5: the two CUDA calls it covers are still in megatron's save path."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+
+    assert "torch.cuda.synchronize()" in inspect.getsource(filesystem_async)
+    assert "device=torch.cuda.current_device()" in inspect.getsource(state_dict_saver)
+
+
+def test_cpu_dist_checkpoint_patch_is_scoped():
+    before = torch.cuda.synchronize, torch.cuda.current_device
+    with compat.cpu_dist_checkpoint_save():
+        if not torch.cuda.is_available():
+            assert torch.cuda.current_device() == "cpu"
+            assert torch.cuda.synchronize() is None
+    assert (torch.cuda.synchronize, torch.cuda.current_device) == before

@@ -1,10 +1,12 @@
 """Atomic checkpoints in run.dir/checkpoints/step_XXXXXXX, verified on load.
 
 Layout of one checkpoint:
-  model_tp{t}_pp{p}.pt   model + optimizer shard (written by data-parallel rank 0)
+  dist/                  model + AdamW state, megatron-core distributed checkpoint (torch_dist):
+                         every tensor keyed by its global shape and offset, so it loads into any
+                         tensor/pipeline layout (resharding)
   rng_rank{r}.pt         each rank's RNG state (stochastic rounding draws from it)
   trainer.pt             step, scheduler, data-loader state, W&B id, counters (rank 0)
-  manifest.json          every file's size and SHA-256; written last
+  manifest.json          every file's size and SHA-256 and the layout; written last
 Each checkpoint is written into a hidden temporary directory and renamed into place only
 after every rank finished, so a crash leaves either a complete checkpoint or none. Loading
 verifies the manifest and falls back to the previous checkpoint if the latest is torn.
@@ -53,18 +55,39 @@ def _broadcast_str(value: str, ctx: ParallelContext) -> str:
     return box[0]
 
 
-def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model_state: dict,
-                    optimizer_state: dict, trainer_state: dict, keep_last: int) -> Path:
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Model and AdamW state as megatron ShardedTensors (the optimizer's keyed like its params)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    model_state = model.sharded_state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optim_state = optimizer.state_dict()
+    # AdamW's per-parameter `step` equals the number of optimizer steps: kept in trainer.pt.
+    optim_state_to_sharding_state(
+        optim_state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",)
+    )
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, trainer_state: dict,
+                    keep_last: int) -> Path:
+    from megatron.core import dist_checkpointing
+
+    from model.compat import cpu_dist_checkpoint_save
+
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
     if ctx.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        (tmp / "dist").mkdir(parents=True)
     barrier()
-    if ctx.data_rank == 0:
-        torch.save({"model": model_state, "optimizer": optimizer_state},
-                   tmp / f"model_tp{ctx.tensor_rank}_pp{ctx.pipeline_rank}.pt")
+    with cpu_dist_checkpoint_save():
+        dist_checkpointing.save(_sharded_state(model, optimizer), str(tmp / "dist"))
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                tmp / f"rng_rank{ctx.rank}.pt")
@@ -72,10 +95,11 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model_state:
         torch.save(trainer_state, tmp / "trainer.pt")
     barrier()
     if ctx.is_main:
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
                     "pipeline": ctx.pipeline,
-                    "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                    "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
+                                                        "sha256": _sha256(p)}
                               for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if final.exists():  # a re-save of the same step (e.g. after a resume)
@@ -136,18 +160,39 @@ def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
     return Path(chosen) if chosen else None
 
 
-def load_checkpoint(path: Path, ctx: ParallelContext) -> dict[str, Any]:
-    manifest = json.loads((path / MANIFEST).read_text())
-    if (manifest["tensor"], manifest["pipeline"]) != (ctx.tensor, ctx.pipeline):
-        raise ValueError(
-            f"checkpoint {path} was written with tensor={manifest['tensor']} "
-            f"pipeline={manifest['pipeline']}, this run uses tensor={ctx.tensor} "
-            f"pipeline={ctx.pipeline}; resume with the same layout"
-        )
-    shard = torch.load(path / f"model_tp{ctx.tensor_rank}_pp{ctx.pipeline_rank}.pt",
-                       weights_only=True, map_location="cpu")
+def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load model and optimizer in place (any TP/PP layout); return trainer state and RNG."""
+    from megatron.core import dist_checkpointing
+
     trainer = torch.load(path / "trainer.pt", weights_only=True)
+    # The loader fills existing tensors: give AdamW zero state to be overwritten.
+    optimizer_steps = trainer["step"] - trainer["skipped_steps"]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(float(optimizer_steps)),
+                                  "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer), str(path / "dist"))
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    real_missing = [k for k in missing if not k.endswith("_extra_state")]
+    if real_missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit this model: missing {real_missing}, "
+                         f"unexpected {unexpected}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in loaded["optimizer"]["state"].items():
+        state[index] = {**entry, "step": torch.tensor(float(optimizer_steps))}
+    groups = loaded["optimizer"]["param_groups"]
+    for group, current in zip(groups, optimizer.state_dict()["param_groups"]):
+        group["params"] = current["params"]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    assert len(state) == len(params)
+    manifest = json.loads((path / MANIFEST).read_text())
+    same_layout = manifest["world_size"] == ctx.world_size and (
+        manifest["tensor"], manifest["pipeline"]) == (ctx.tensor, ctx.pipeline)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
-    rng = torch.load(rng_file, weights_only=True) if rng_file.exists() else None
-    return {"model": shard["model"], "optimizer": shard["optimizer"], "trainer": trainer,
-            "rng": rng}
+    # Another layout draws other stochastic-rounding streams anyway: keep the fresh RNG then.
+    rng = torch.load(rng_file, weights_only=True) if same_layout and rng_file.exists() else None
+    return {"trainer": trainer, "rng": rng, "resharded": not same_layout,
+            "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"])}

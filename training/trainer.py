@@ -87,7 +87,6 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.wandb_id: Optional[str] = None
-        self.switched = False
         self.val_batches = self.data.validation_batches(tr.eval_batches)
         policy = self.built.policy
         log.info(f"precision {cfg.precision.name}: {backend} GEMMs ({reason})"
@@ -108,22 +107,22 @@ class Trainer:
         return self.step * self.tokens_per_step
 
     def save(self) -> None:
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+        finite = torch.tensor(float(all(torch.isfinite(p).all() for p in self.model.parameters())),
+                              device=self.ctx.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to write
+        if not finite.item():
             log.error("not writing a checkpoint: the weights contain NaN/Inf")
             return
         path = ckpt.save_checkpoint(
-            self.ckpt_root, self.step, self.ctx, model_state=self.model.state_dict(),
-            optimizer_state=self.optimizer.state_dict(), trainer_state=self.state(),
-            keep_last=self.cfg.trainer.keep_last)
+            self.ckpt_root, self.step, self.ctx, model=self.model, optimizer=self.optimizer,
+            trainer_state=self.state(), keep_last=self.cfg.trainer.keep_last)
         log.info(f"saved checkpoint {path}")
 
     def resume(self) -> None:
         path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, self.ctx)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = ckpt.load_checkpoint(path, self.ctx, self.model, self.optimizer)
         trainer = state["trainer"]
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.train.load_state_dict(trainer["data"])
@@ -133,6 +132,10 @@ class Trainer:
             torch.set_rng_state(state["rng"]["cpu"])
             if state["rng"]["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(state["rng"]["cuda"])
+        if state["resharded"]:
+            t, p, w = state["layout"]
+            log.info(f"resharded from tensor {t} x pipeline {p} ({w} processes) to tensor "
+                     f"{self.ctx.tensor} x pipeline {self.ctx.pipeline} ({self.ctx.world_size})")
         log.info(f"resumed from {path} at step {self.step}")
 
     # -- one step ---------------------------------------------------------------------------
