@@ -33,6 +33,14 @@ def test_demo_run_trains_and_writes_every_output(tmp_path, data_cache):
     # one status line per step on the console
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 12
 
+    # Continuing the run (two more steps) resumes and keeps logging to the same W&B run.
+    proc = run_train(run_dir, *FAST, "trainer.max_steps=14", "trainer.eval_every=6",
+                     "trainer.save_every=6", "logger.mode=offline", cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout
+    run_ids = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1
+
 
 @pytest.mark.slow
 def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache):
