@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # On a CPU-only machine pin the local CPU wheel of torch; a GPU machine brings its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup train test test-all bench ablations clean
+.PHONY: setup train test test-fast bench gpu-check ablations clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m launch.bench $(ARGS)
+
+gpu-check:  ## on a GPU machine: CUDA tests, bench, 50-step demos -> runs/gpu_check/
+	bash launch/gpu_check.sh
 
 ablations: setup
 	$(PY) -m launch.ablations $(ARGS)

@@ -92,3 +92,113 @@ def format_table(rows: list[dict[str, object]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# -- additions for the all-hardware bench (launch/bench.py); the functions above are unchanged --
+
+# Dense (no sparsity) BF16 tensor-core peaks in TFLOP/s, matched by substring of the CUDA device
+# name, most specific first. Sources: NVIDIA H100/H200 datasheets (SXM: 1,979 TFLOP/s "with
+# sparsity" = 989 dense; H100 PCIe 756 dense), the DGX B200 / GB200 NVL72 datasheets (B200 2.25
+# PFLOP/s, GB200 2.5 PFLOP/s dense BF16 per GPU), A100 datasheet (312). B300 / GB300: NVIDIA's
+# Blackwell Ultra material quotes the same dense BF16 rate as GB200 (its gains are in FP4); 2500 is
+# an assumption, flagged as such in the output.
+BF16_DENSE_PEAK_TFLOPS: tuple[tuple[str, float, str], ...] = (
+    ("GB300", 2500.0, "assumed = GB200 (Blackwell Ultra adds FP4, not BF16, throughput); unsure"),
+    ("B300", 2500.0, "assumed = GB200 (Blackwell Ultra adds FP4, not BF16, throughput); unsure"),
+    ("GB200", 2500.0, "NVIDIA GB200 NVL72 datasheet, dense BF16 per GPU"),
+    ("B200", 2250.0, "NVIDIA DGX B200 datasheet, dense BF16 per GPU"),
+    ("H200", 989.0, "NVIDIA H200 SXM datasheet (1,979 with sparsity)"),
+    ("H100 PCIe", 756.0, "NVIDIA H100 PCIe datasheet, dense BF16"),
+    ("H100", 989.0, "NVIDIA H100 SXM datasheet (1,979 with sparsity)"),
+    ("H800", 989.0, "assumed = H100 SXM"),
+    ("A100", 312.0, "NVIDIA A100 datasheet, dense BF16"),
+)
+
+
+def bf16_peak_tflops(device_name: str | None) -> tuple[float | None, str]:
+    """(dense BF16 peak in TFLOP/s, source note) for a CUDA device name; (None, why) if unknown."""
+    if not device_name:
+        return None, "no CUDA device: no tensor-core peak (MFU not reported on CPU)"
+    upper = device_name.upper()
+    for key, peak, source in BF16_DENSE_PEAK_TFLOPS:
+        if key.upper() in upper:
+            return peak, f"{key}: {source}"
+    return None, f"no known BF16 peak for {device_name!r} (add it to BF16_DENSE_PEAK_TFLOPS)"
+
+
+def gemm_tflops(m: int, k: int, n: int, seconds: float) -> float:
+    """Throughput of an (m x k) @ (k x n) GEMM, counting 2*m*k*n FLOPs."""
+    return 2.0 * m * k * n / seconds / 1e12
+
+
+def load_average() -> tuple[float, float, float] | None:
+    """The 1/5/15-minute load averages (None where the OS has none)."""
+    return tuple(round(x, 2) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def transformer_engine_info() -> dict[str, object]:
+    """Whether Transformer Engine imports here, and its version (never raises)."""
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError for missing CUDA libraries
+        return {"importable": False, "version": None, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    version = getattr(transformer_engine, "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version("transformer_engine")
+        except Exception:
+            version = "unknown"
+    return {"importable": True, "version": str(version), "error": None}
+
+
+def device_info() -> dict[str, object]:
+    """hardware_info() plus the CUDA runtime, compute capability, memory, Transformer Engine and
+    the known BF16 peak: everything a bench result must be reported with."""
+    info = hardware_info()
+    info["load_average"] = load_average()
+    info["cuda_available"] = torch.cuda.is_available()
+    info["cuda_runtime"] = torch.version.cuda
+    gpu_name = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu_name = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["gpu_count"] = torch.cuda.device_count()
+    peak, source = bf16_peak_tflops(gpu_name)
+    info["bf16_peak_tflops"] = peak
+    info["bf16_peak_source"] = source
+    info["transformer_engine"] = transformer_engine_info()
+    return info
+
+
+class SectionTimer:
+    """Accumulated wall time of wrapped functions (synchronizing CUDA around each call), e.g. to
+    find the share of a training step spent in the quantizers. Not re-entrant-safe across threads."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._depth = 0
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if self._depth:  # nested wrapped calls count once, in the outermost
+                return fn(*args, **kwargs)
+            self._depth += 1
+            _synchronize()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _synchronize()
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self._depth -= 1
+
+        return wrapped
+
+    def total(self) -> float:
+        return sum(self.seconds.values())

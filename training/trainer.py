@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from data import MissingDataError, build_data, validate_config
 from model.build import build_model, choose_backend
+from model.compat import seed_model_parallel_rng
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
@@ -63,7 +64,7 @@ class Trainer:
         self.micro_batches = tr.global_batch_size // (tr.micro_batch_size * ctx.data)
         self.stop_requested: Optional[str] = None
 
-        torch.manual_seed(tr.seed)
+        seed_model_parallel_rng(tr.seed)  # megatron's CUDA RNG tracker on GPUs
         self.data = build_data(
             cfg.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
             global_batch_size=tr.global_batch_size, total_tokens=self.total_tokens,
