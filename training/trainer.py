@@ -45,6 +45,31 @@ class TrainingError(Exception):
         self.code = code
 
 
+class StopSignal:
+    """SIGTERM/SIGUSR1 (preemption) recorded, to be acted on at the end of the current step.
+
+    Installed first thing in `run()`, so a signal during start-up is not fatal either.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.name: Optional[str] = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, _frame) -> None:
+        self.name = signal.Signals(signum).name
+        log.warning(f"{self.name} received: finishing this step, then checkpointing")
+
+    def agreed(self, ctx: ParallelContext) -> bool:
+        """Whether any rank was signalled: all ranks must stop at the same step."""
+        flag = torch.tensor(float(self.name is not None), device=ctx.device)
+        if ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -54,15 +79,15 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext):
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, stop: Optional[StopSignal] = None):
         self.cfg, self.ctx = cfg, ctx
+        self.stop = stop or StopSignal()
         tr = cfg.trainer
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.tokens_per_step = tr.global_batch_size * tr.seq_length
         self.total_tokens = tr.max_steps * self.tokens_per_step
         self.micro_batches = tr.global_batch_size // (tr.micro_batch_size * ctx.data)
-        self.stop_requested: Optional[str] = None
 
         seed_model_parallel_rng(tr.seed)  # megatron's CUDA RNG tracker on GPUs
         self.data = build_data(
@@ -242,14 +267,11 @@ class Trainer:
                        consumed_tokens=self.consumed_tokens)
 
     # -- the loop ---------------------------------------------------------------------------
-    def _on_signal(self, signum, _frame) -> None:
-        self.stop_requested = signal.Signals(signum).name
-        log.warning(f"{self.stop_requested} received: finishing this step, then checkpointing")
-
     def fit(self) -> int:
         cfg, tr = self.cfg, self.cfg.trainer
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
+        if self.stop.agreed(self.ctx):  # preempted while starting: nothing new to save
+            log.warning("stopped before the first step; resume by running again")
+            return ExitCode.PREEMPTED
         if cfg.run.resume == "auto":
             self.resume()
         wandb_run = None
@@ -287,9 +309,9 @@ class Trainer:
                 if self.step % tr.log_every == 0 or "val_loss" in metrics:
                     log.info(status_line(self.step, tr.max_steps, metrics, eta))
                 sink.log(self.step, metrics)
-                if self.stop_requested:
+                if self.stop.agreed(self.ctx):
                     self.save()
-                    sink.event(self.step, "preempted", signal=self.stop_requested)
+                    sink.event(self.step, "preempted", signal=self.stop.name or "peer")
                     return ExitCode.PREEMPTED
                 if self.step % tr.save_every == 0 or self.step == tr.max_steps:
                     self.save()
@@ -332,6 +354,7 @@ def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
 def run(cfg) -> int:
     """Entry point behind train.py: returns the process exit code."""
     ctx = None
+    stop = StopSignal()
     try:
         cfg: TrainConfig = OmegaConf.to_object(cfg)
         if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
@@ -345,7 +368,7 @@ def run(cfg) -> int:
         validate_config(cfg.data, check_files=True)  # before anything is written
         run_dir = prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
-        return Trainer(cfg, ctx).fit()
+        return Trainer(cfg, ctx, stop).fit()
     except TrainingError as exc:
         log.error(f"error: {exc}")
         return exc.code
