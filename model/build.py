@@ -80,7 +80,7 @@ def choose_backend(precision: PrecisionConfig) -> tuple[str, str]:
     te_ok, why_not = te_supports(precision, capability)
     if te_ok:
         try:
-            import transformer_engine.pytorch  # noqa: F401
+            import transformer_engine.pytorch  # noqa: F401  (importable = usable)
         except ImportError as exc:
             te_ok, why_not = False, f"transformer_engine not importable ({exc})"
     if precision.backend == "te":

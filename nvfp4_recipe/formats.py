@@ -212,3 +212,50 @@ def as_rows(x: torch.Tensor, block: int, what: str, check_finite: bool) -> torch
     if x2d.dtype == torch.float64:
         x2d = x2d.float()  # all quantizer arithmetic is FP32; float64 is rounded once here
     return x2d.contiguous()
+
+
+def encode_e2m1_blocks(
+    x2d: torch.Tensor,
+    block: int,
+    encode: torch.Tensor,
+    decode: torch.Tensor | None,
+    *,
+    stochastic: bool,
+    generator: torch.Generator | None,
+    want_codes: bool,
+    values_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """E2M1-encode x2d (rows, k) block by block along k, the step NVFP4 and MXFP4 share.
+
+    Each value becomes clamp(x * encode[row, block], -6, 6) rounded to E2M1 (nearest-even or
+    stochastic). Returns the packed codes (rows, k // 2) if `want_codes` and the values
+    `rounded * decode[row, block]` in `values_dtype` if given. Chunked by shape only, so
+    stochastic rounding draws the same numbers for the same shape.
+    """
+    rows, k = x2d.shape
+    blocks = k // block
+    device = x2d.device
+    packed = torch.empty(rows, k // 2, dtype=torch.uint8, device=device) if want_codes else None
+    values = torch.empty(rows, k, dtype=values_dtype, device=device) if values_dtype else None
+    scratch = E2M1Scratch(max(k, CHUNK_ELEMENTS // k * k), device, stochastic, want_codes)
+    with serial_intra_op():
+        for start, stop in row_chunks(rows, k):
+            r = stop - start
+            n = r * k
+            v = scratch.scaled[:n].view(r, blocks, block)
+            # Same-dtype in-place ops: mixed-dtype `out=` calls take slow paths on CPU.
+            v.copy_(x2d[start:stop].view(r, blocks, block))
+            v.mul_(encode[start:stop].unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)
+            if want_codes:
+                negative = torch.lt(v, 0, out=scratch.negative[:n].view(v.shape))
+            bits = scratch.bits[:n].view(v.shape)
+            if stochastic:
+                rounded = round_e2m1_stochastic_(v, scratch, n, generator)
+            else:
+                rounded = round_e2m1_nearest_(v, bits)
+            if want_codes:
+                codes = e2m1_codes_(rounded, negative, bits, scratch.codes[:n].view(v.shape))
+                pack_codes(codes.view(r, k), packed[start:stop])
+            if values is not None:
+                values[start:stop].view(v.shape).copy_(rounded.mul_(decode[start:stop].unsqueeze(-1)))
+    return packed, values

@@ -8,17 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from nvfp4_recipe.formats import (
+    encode_e2m1_blocks,
     E2M1_MAX,
-    E2M1Scratch,
     as_rows,
     decode_e2m1,
-    e2m1_codes_,
     e8m0_from_exponent,
-    pack_codes,
-    round_e2m1_nearest_,
-    round_e2m1_stochastic_,
-    row_chunks,
-    serial_intra_op,
     unpack_codes,
 )
 
@@ -69,29 +63,9 @@ def _quantize_mx_core(
     exponent = mx_scale_exponent(vec_max)
     scale = torch.exp2(exponent.float())
     inverse = torch.exp2(-exponent.float())  # exact: powers of two in FP32 range
-    packed = torch.empty(rows, k // 2, dtype=torch.uint8, device=x2d.device) if want_codes else None
-    values = torch.empty(rows, k, dtype=values_dtype, device=x2d.device) if values_dtype else None
-    chunk = max(k, (1 << 16) // k * k)
-    scratch = E2M1Scratch(chunk, x2d.device, stochastic, want_codes)
-    with serial_intra_op():
-        for start, stop in row_chunks(rows, k):
-            r = stop - start
-            n = r * k
-            v = scratch.scaled[:n].view(r, blocks, MX_BLOCK)
-            v.copy_(x2d[start:stop].view(r, blocks, MX_BLOCK))
-            v.mul_(inverse[start:stop].unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)
-            if want_codes:
-                negative = torch.lt(v, 0, out=scratch.negative[:n].view(v.shape))
-            bits = scratch.bits[:n].view(v.shape)
-            if stochastic:
-                rounded = round_e2m1_stochastic_(v, scratch, n, generator)
-            else:
-                rounded = round_e2m1_nearest_(v, bits)
-            if want_codes:
-                codes = e2m1_codes_(rounded, negative, bits, scratch.codes[:n].view(v.shape))
-                pack_codes(codes.view(r, k), packed[start:stop])
-            if values is not None:
-                values[start:stop].view(v.shape).copy_(rounded.mul_(scale[start:stop].unsqueeze(-1)))
+    packed, values = encode_e2m1_blocks(
+        x2d, MX_BLOCK, inverse, scale, stochastic=stochastic, generator=generator,
+        want_codes=want_codes, values_dtype=values_dtype)
     return packed, e8m0_from_exponent(exponent), values
 
 

@@ -12,16 +12,12 @@ from typing import Literal
 import torch
 
 from nvfp4_recipe.formats import (
+    encode_e2m1_blocks,
     E2M1_MAX,
     E4M3_MAX,
     FP32_MAX,
     FP32_RECIPROCAL_OF_6,
-    E2M1Scratch,
     as_rows,
-    e2m1_codes_,
-    pack_codes,
-    round_e2m1_nearest_,
-    round_e2m1_stochastic_,
     row_chunks,
     serial_intra_op,
     CHUNK_ELEMENTS,
@@ -160,30 +156,9 @@ def quantize_nvfp4_core(
     scale_e4m3, encode, s_dec = block_scales(vec_max, amax)
     decode = scale_e4m3.float() if values_dtype is not None else None
 
-    packed = torch.empty(rows, k // 2, dtype=torch.uint8, device=device) if want_codes else None
-    values = torch.empty(rows, k, dtype=values_dtype, device=device) if values_dtype else None
-    scratch = E2M1Scratch(_chunk_numel(k), device, stochastic, want_codes)
-    blocks = k // BLOCK
-    with serial_intra_op():
-        for start, stop in row_chunks(rows, k):
-            r = stop - start
-            n = r * k
-            v = scratch.scaled[:n].view(r, blocks, BLOCK)
-            # Same-dtype in-place ops: mixed-dtype `out=` calls take slow paths on CPU.
-            v.copy_(x2d[start:stop].view(r, blocks, BLOCK))
-            v.mul_(encode[start:stop].unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)
-            if want_codes:
-                negative = torch.lt(v, 0, out=scratch.negative[:n].view(v.shape))
-            bits = scratch.bits[:n].view(v.shape)
-            if stochastic:
-                rounded = round_e2m1_stochastic_(v, scratch, n, generator)
-            else:
-                rounded = round_e2m1_nearest_(v, bits)
-            if want_codes:
-                codes = e2m1_codes_(rounded, negative, bits, scratch.codes[:n].view(v.shape))
-                pack_codes(codes.view(r, k), packed[start:stop])
-            if values is not None:
-                values[start:stop].view(v.shape).copy_(rounded.mul_(decode[start:stop].unsqueeze(-1)))
+    packed, values = encode_e2m1_blocks(
+        x2d, BLOCK, encode, decode, stochastic=stochastic, generator=generator,
+        want_codes=want_codes, values_dtype=values_dtype)
     return packed, scale_e4m3, amax, s_dec, values
 
 
