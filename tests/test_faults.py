@@ -23,7 +23,7 @@ def _popen_train(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.
     env = {**os.environ, "NVFP4_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}",
                              *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
@@ -48,7 +48,8 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_
     kill_after = random.Random(os.getpid()).randint(2, 5)  # any moment, even mid-checkpoint
     proc = _popen_train(killed, data_cache, *ARGS)
     _wait_for_step(killed, kill_after, proc)
-    proc.send_signal(signal.SIGKILL)
+    # The whole process group, as a node failure would: megatron's checkpoint helpers too.
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     proc = run_train(killed, *ARGS, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
