@@ -86,5 +86,14 @@ def fp8_block_dequantized_values(
     power_2_scales: bool = True,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Dequantized values in `dtype` (exact in bfloat16 with power-of-two scales)."""
-    return quantize_fp8_block(x2d, block, power_2_scales).dequantize(dtype)
+    """Dequantized values in `dtype` (exact in bfloat16 with power-of-two scales).
+
+    A dimension that is not a multiple of the block ends in a partial block: it is zero-padded,
+    which leaves that block's amax (and so its scale and values) as TE's blockwise FP8 computes
+    it for a partial block, then cut back to the input shape.
+    """
+    rows, cols = x2d.shape
+    pad_rows, pad_cols = (-rows) % block[0], (-cols) % FP8_BLOCK
+    if pad_rows or pad_cols:
+        x2d = torch.nn.functional.pad(x2d, (0, pad_cols, 0, pad_rows))
+    return quantize_fp8_block(x2d, block, power_2_scales).dequantize(dtype)[:rows, :cols]

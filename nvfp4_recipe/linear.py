@@ -52,6 +52,8 @@ class _FormatOps:
 
     block: int
     name: str
+    # K and N must be whole blocks (FP4 GEMMs); FP8 zero-pads a partial 128-block instead.
+    whole_blocks_only = True
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -65,7 +67,7 @@ class _FormatOps:
             )
         n, k = weight.shape
         for dim_name, size in (("K (in_features)", k), ("N (out_features)", n)):
-            if size % self.block:
+            if self.whole_blocks_only and size % self.block:
                 raise ValueError(
                     f"{self.name} linear: {dim_name} = {size} is not a multiple of the {self.block}-"
                     f"element block; pad the layer to {-(-size // self.block) * self.block} or keep it "
@@ -143,6 +145,7 @@ class _MXFP4Ops(_FormatOps):
 class _FP8BlockOps(_FormatOps):
     block = FP8_BLOCK
     name = "FP8 block"
+    whole_blocks_only = False
     config: FP8BlockConfig
 
     def __init__(self, config: FP8BlockConfig) -> None:

@@ -1,0 +1,645 @@
+"""The precision ablation study: train the demo model under every precision recipe, then report.
+
+    python -m launch.ablations --jobs 2                # the study (resumable), then the report
+    python -m launch.ablations --seeds 1 2 3 --steps 80 --jobs 2   # other seeds / length
+    python -m launch.ablations --report-only           # rebuild docs/ablations/ from existing runs
+
+Every run is `train.py precision=<config> trainer.seed=<seed>` with the same study overrides
+(STUDY_OVERRIDES below, `--steps` sets trainer.max_steps), so all configs of one seed see the same
+data order and the same initial weights. Runs live in `<runs-dir>/<config>-s<seed>/`
+(default runs/ablations/, gitignored). A run whose metrics.jsonl holds the final step with its
+val_loss is skipped; an interrupted one resumes from its newest checkpoint (run.resume=auto); one
+that stopped on a NaN/Inf loss (exit 4) is recorded as diverged and not retried.
+
+The report (docs/ablations/ by default): val_loss.png (relative validation-loss gap to BF16 vs
+tokens, mean over seeds), train_loss.png (the same for the smoothed training loss), results.json,
+and README.md (table, command, machine, wall time, the paper's orderings checked against the seed
+noise measured here, plus the hand-written reading in reading.md when present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIGS = ["bf16", "fp8", "nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_no_2d",
+           "nvfp4_no_bf16_layers", "nvfp4_naive", "mxfp4", "nvfp4_switch"]
+LABELS = {
+    "bf16": "BF16", "fp8": "FP8 (block-scaled E4M3)", "nvfp4": "NVFP4 (full recipe)",
+    "nvfp4_no_rht": "NVFP4 - RHT", "nvfp4_no_sr": "NVFP4 - SR", "nvfp4_no_2d": "NVFP4 - 2D weights",
+    "nvfp4_no_bf16_layers": "NVFP4 - BF16 layers", "nvfp4_naive": "NVFP4 naive (nothing)",
+    "mxfp4": "MXFP4", "nvfp4_switch": "NVFP4 + BF16 from 80%",
+}
+# The study's config on top of recipes/ (model demo with its own bf16_first/last_layers = 1/2,
+# trainer demo's lr 3e-3 / WSD schedule). Shorter sequences and one micro-batch per step keep a
+# run CPU-sized; the step count comes from --steps.
+STUDY_OVERRIDES = [
+    "trainer.seq_length=128", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+    "trainer.warmup_steps=10", "trainer.eval_batches=4", "trainer.keep_last=1",
+    "trainer.on_nan=stop", "logger.mode=disabled",
+]
+DEFAULT_STEPS = 80
+STATUS = "ablation.json"  # per run dir: exit code, wall time, (diverged) step
+
+
+# -- runs -------------------------------------------------------------------------------------
+def run_overrides(config: str, seed: int, steps: int, run_dir: Path) -> list[str]:
+    return [f"precision={config}", f"trainer.seed={seed}", f"run.dir={run_dir}",
+            *STUDY_OVERRIDES, f"trainer.max_steps={steps}",
+            f"trainer.eval_every={max(1, steps // 8)}", f"trainer.save_every={max(1, steps // 4)}",
+            "run.resume=auto"]
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """step -> merged record (a resumed run re-logs steps: the last record wins)."""
+    path = run_dir / "metrics.jsonl"
+    out: dict[int, dict] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill
+            continue
+        if "event" in rec:
+            continue
+        out[rec["step"]] = rec if rec["step"] not in out else {**out[rec["step"]], **rec}
+    return out
+
+
+def last_step(run_dir: Path) -> int:
+    m = read_metrics(run_dir)
+    return max(m) if m else 0
+
+
+def read_status(run_dir: Path) -> dict:
+    p = run_dir / STATUS
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def run_state(run_dir: Path, steps: int) -> str:
+    """'done', 'diverged', 'partial' or 'new'."""
+    status = read_status(run_dir)
+    if status.get("exit_code") == 4:
+        return "diverged"
+    m = read_metrics(run_dir)
+    if steps in m and "val_loss" in m[steps]:
+        return "done"
+    return "partial" if m or (run_dir / "checkpoints").exists() else "new"
+
+
+def configured_steps(run_dir: Path) -> int | None:
+    cfg = run_dir / "config.yaml"
+    if not cfg.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(cfg).trainer.max_steps)
+
+
+def start_run(config: str, seed: int, steps: int, run_dir: Path, threads: int) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, str(REPO / "train.py"), *run_overrides(config, seed, steps, run_dir)]
+    log = open(run_dir / "stdout.log", "a")
+    log.write(f"\n# {datetime.now(timezone.utc).isoformat()} {shlex.join(cmd)}\n")
+    log.flush()
+    # own session: a Ctrl-C reaches the runner only, which asks the run to checkpoint (SIGTERM)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc._log = log  # closed when the run ends
+    proc._t0 = time.time()
+    return proc
+
+
+def finish_run(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
+    proc._log.close()
+    status = read_status(run_dir)
+    wall = status.get("wall_s", 0.0) + (time.time() - proc._t0)
+    status.update(exit_code=proc.returncode, wall_s=round(wall, 1), last_step=last_step(run_dir),
+                  steps=steps, finished_at=datetime.now(timezone.utc).isoformat(),
+                  threads=getattr(proc, "_threads", None))
+    (run_dir / STATUS).write_text(json.dumps(status, indent=1))
+    return status
+
+
+def _sigterm_to_interrupt(signum, _frame):
+    raise KeyboardInterrupt
+
+
+def run_study(args) -> int:
+    signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    runs_dir = Path(args.runs_dir)
+    plan = [(c, s) for s in args.seeds for c in args.configs]
+    plan += [(c, s) for s in args.noise_seeds for c in args.noise_configs
+             if (c, s) not in plan]
+    for c, s in plan:
+        have = configured_steps(runs_dir / f"{c}-s{s}")
+        if have is not None and have != args.steps:
+            console.print(f"[red]{runs_dir / f'{c}-s{s}'} was trained with max_steps={have}, "
+                          f"not --steps {args.steps}: pass another --runs-dir or remove it")
+            return 2
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    study_file = runs_dir / "study.json"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    study = json.loads(study_file.read_text()) if study_file.exists() else {}
+    study.setdefault("sessions", []).append(
+        {"started": datetime.now(timezone.utc).isoformat(),
+         "command": shlex.join(["python", "-m", "launch.ablations", *sys.argv[1:]]),
+         "jobs": args.jobs, "threads_per_job": threads})
+    study.update(steps=args.steps, overrides=STUDY_OVERRIDES, plan=[f"{c}-s{s}" for c, s in plan])
+    study_file.write_text(json.dumps(study, indent=1))
+
+    todo = [(c, s) for c, s in plan if run_state(runs_dir / f"{c}-s{s}", args.steps)
+            not in ("done", "diverged")]
+    if not args.retry_failed:  # a config error (exit 1-3) fails again the same way: report it once
+        stuck = [(c, s) for c, s in todo if read_status(runs_dir / f"{c}-s{s}").get("exit_code") in (1, 2, 3)
+                 and last_step(runs_dir / f"{c}-s{s}") == 0]
+        for c, s in stuck:
+            console.print(f"[yellow]skipping {c}-s{s}: it failed at start-up before "
+                          f"({run_error(runs_dir / f'{c}-s{s}')}); --retry-failed runs it again")
+        todo = [x for x in todo if x not in stuck]
+    console.print(f"ablation study: {len(plan)} runs ({len(plan) - len(todo)} already finished), "
+                  f"{args.steps} steps each, {args.jobs} at a time x {threads} threads; "
+                  f"runs in {runs_dir}/")
+    failed: list[str] = []
+    t_study = time.time()
+    columns = [TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn()]
+    active: dict[str, tuple[subprocess.Popen, Path, int]] = {}
+    with Progress(*columns, console=console, refresh_per_second=2) as progress:
+        overall = progress.add_task("runs", total=len(plan), completed=len(plan) - len(todo))
+        queue = list(todo)
+        try:
+            while queue or active:
+                while queue and len(active) < args.jobs:
+                    c, s = queue.pop(0)
+                    run_dir = runs_dir / f"{c}-s{s}"
+                    proc = start_run(c, s, args.steps, run_dir, threads)
+                    proc._threads = threads
+                    task = progress.add_task(f"{c}-s{s}", total=args.steps,
+                                             completed=last_step(run_dir))
+                    active[f"{c}-s{s}"] = (proc, run_dir, task)
+                    progress.console.log(f"start {c}-s{s} (from step {last_step(run_dir)})")
+                time.sleep(2)
+                for name, (proc, run_dir, task) in list(active.items()):
+                    progress.update(task, completed=last_step(run_dir))
+                    if proc.poll() is None:
+                        continue
+                    status = finish_run(proc, run_dir, args.steps)
+                    state = run_state(run_dir, args.steps)
+                    progress.remove_task(task)
+                    progress.advance(overall)
+                    del active[name]
+                    msg = f"{name}: {state} (exit {proc.returncode}, {status['wall_s']:.0f} s this far)"
+                    if state not in ("done", "diverged"):
+                        failed.append(name)
+                        msg = f"[red]{msg}: see {run_dir}/stdout.log"
+                    progress.console.log(msg)
+        except KeyboardInterrupt:
+            # train.py checkpoints after the current step on SIGTERM (exit 75): the next call resumes
+            progress.console.log("interrupted: asking the active runs to checkpoint and stop")
+            for name, (proc, run_dir, _) in active.items():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, (proc, run_dir, _) in active.items():
+                try:
+                    proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                finish_run(proc, run_dir, args.steps)
+                progress.console.log(f"{name}: stopped at step {last_step(run_dir)} (exit {proc.returncode})")
+            return 130
+    study = json.loads(study_file.read_text())
+    study["sessions"][-1].update(finished=datetime.now(timezone.utc).isoformat(),
+                                 wall_s=round(time.time() - t_study, 1))
+    study_file.write_text(json.dumps(study, indent=1))
+    console.print(f"study session: {time.time() - t_study:.0f} s; "
+                  + (f"[red]failed: {', '.join(failed)}" if failed else "all runs finished"))
+    return 1 if failed else 0
+
+
+# -- report -----------------------------------------------------------------------------------
+def ema(values: list[float], alpha: float = 0.1) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else (alpha * v + (1 - alpha) * acc if math.isfinite(v) else acc)
+        out.append(acc)
+    return out
+
+
+def collect(runs_dir: Path) -> dict:
+    """Every run under runs_dir -> {config: {seed: summary}}."""
+    runs: dict[str, dict[int, dict]] = {}
+    for run_dir in sorted(runs_dir.glob("*-s*")):
+        config, _, seed = run_dir.name.rpartition("-s")
+        if config not in CONFIGS or not seed.isdigit():
+            continue
+        if not (run_dir / "metrics.jsonl").exists():
+            status = read_status(run_dir)
+            if status.get("exit_code") not in (None, 0):
+                runs.setdefault(config, {})[int(seed)] = {
+                    "state": "failed", "exit_code": status["exit_code"], "error": run_error(run_dir),
+                    "final_val_loss": None, "val_loss": [], "train_loss": [],
+                    "tokens_per_sec_median": None, "late_train_loss": None,
+                    "wall_s": status.get("wall_s")}
+            continue
+        m = read_metrics(run_dir)
+        steps = configured_steps(run_dir) or max(m)
+        status = read_status(run_dir)
+        val = {s: r["val_loss"] for s, r in sorted(m.items()) if "val_loss" in r}
+        tokens = {s: r["consumed_tokens"] for s, r in m.items()}
+        train_steps = sorted(s for s in m if "loss" in m[s])
+        tps = [m[s]["tokens_per_sec"] for s in train_steps if "tokens_per_sec" in m[s]]
+        state = run_state(run_dir, steps)
+        runs.setdefault(config, {})[int(seed)] = {
+            "state": state, "steps": steps, "last_step": max(m) if m else 0,
+            "final_val_loss": val.get(steps) if state == "done" else None,
+            "val_loss": [[tokens[s], v] for s, v in val.items()],
+            "train_loss": [[tokens[s], m[s]["loss"]] for s in train_steps],
+            "tokens_per_sec_median": statistics.median(tps) if tps else None,
+            "late_train_loss": (statistics.fmean(m[s]["loss"] for s in train_steps
+                                                 if s > steps - max(1, steps // 4))
+                                if state == "done" else None),
+            "wall_s": status.get("wall_s"), "skipped_steps": m[max(m)].get("skipped_steps", 0) if m else 0,
+        }
+    return runs
+
+
+def run_error(run_dir: Path) -> str:
+    """The last `error:` line train.py printed."""
+    log = run_dir / "stdout.log"
+    lines = [l.strip() for l in log.read_text().splitlines() if "error" in l.lower()] if log.exists() else []
+    return lines[-1] if lines else "unknown (see stdout.log)"
+
+
+def mean_curve(curves: list[list[list[float]]]) -> tuple[list[float], list[float]]:
+    """Mean over seeds at the token counts all curves share."""
+    common = set.intersection(*[{t for t, _ in c} for c in curves]) if curves else set()
+    xs = sorted(common)
+    by = [dict((t, v) for t, v in c) for c in curves]
+    return xs, [statistics.fmean(b[x] for b in by) for x in xs]
+
+
+def summarize(runs: dict) -> dict:
+    summary = {}
+    for config in CONFIGS:
+        seeds = runs.get(config, {})
+        done = {s: r for s, r in seeds.items() if r["final_val_loss"] is not None}
+        finals = [r["final_val_loss"] for r in done.values()]
+        tps = [r["tokens_per_sec_median"] for r in seeds.values() if r["tokens_per_sec_median"]]
+        summary[config] = {
+            "seeds": sorted(done), "diverged_seeds": sorted(s for s, r in seeds.items()
+                                                            if r["state"] == "diverged"),
+            "failed": {s: r["error"] for s, r in seeds.items() if r["state"] == "failed"},
+            "final_val_loss_mean": statistics.fmean(finals) if finals else None,
+            "final_val_loss_std": statistics.stdev(finals) if len(finals) > 1 else None,
+            "final_val_loss_min": min(finals) if finals else None,
+            "final_val_loss_max": max(finals) if finals else None,
+            "tokens_per_sec_median": statistics.median(tps) if tps else None,
+        }
+    base = summary["bf16"]["final_val_loss_mean"]
+    for config, s in summary.items():
+        s["gap_to_bf16_pct"] = (100 * (s["final_val_loss_mean"] - base) / base
+                                if base and s["final_val_loss_mean"] is not None else None)
+        # seed-matched gaps: this config's seed k against bf16's seed k (same data, same init)
+        s["paired_gap_pct"] = paired(runs, config, "bf16", "final_val_loss")
+        late = paired(runs, config, "bf16", "late_train_loss")
+        s["late_train_gap_pct"] = late
+        s["late_train_gap_pct_mean"] = statistics.fmean(late) if late else None
+    return summary
+
+
+def paired(runs: dict, a: str, b: str, key: str) -> list[float]:
+    """100 * (a - b) / b for every seed both configs finished (same data order, same init)."""
+    ra, rb = runs.get(a, {}), runs.get(b, {})
+    return [100 * (ra[k][key] - rb[k][key]) / rb[k][key] for k in sorted(set(ra) & set(rb))
+            if ra[k].get(key) is not None and rb[k].get(key) is not None]
+
+
+def paired_noise(runs: dict, key: str) -> float | None:
+    """Std over seeds of NVFP4's seed-matched gap to BF16: the noise of a same-seed comparison."""
+    gaps = paired(runs, "nvfp4", "bf16", key)
+    return statistics.stdev(gaps) if len(gaps) > 1 else None
+
+
+def seed_noise(summary: dict) -> dict:
+    """Seed-to-seed spread of the final validation loss, as % of the mean, for configs with >1 seed."""
+    out = {}
+    for config, s in summary.items():
+        if s["final_val_loss_std"] is not None:
+            out[config] = {"n": len(s["seeds"]), "std": s["final_val_loss_std"],
+                           "std_pct": 100 * s["final_val_loss_std"] / s["final_val_loss_mean"],
+                           "range_pct": 100 * (s["final_val_loss_max"] - s["final_val_loss_min"])
+                           / s["final_val_loss_mean"]}
+    return out
+
+
+# (claim, worse config, better config): the paper says `worse` ends with a higher loss than `better`.
+ORDERINGS = [
+    ("naive all-NVFP4 is worse than the full recipe", "nvfp4_naive", "nvfp4"),
+    ("removing RHT hurts", "nvfp4_no_rht", "nvfp4"),
+    ("removing stochastic rounding hurts", "nvfp4_no_sr", "nvfp4"),
+    ("removing 2D weight scaling hurts", "nvfp4_no_2d", "nvfp4"),
+    ("removing the BF16 first/last layers hurts", "nvfp4_no_bf16_layers", "nvfp4"),
+    ("MXFP4 trails NVFP4", "mxfp4", "nvfp4"),
+    ("NVFP4 trails FP8", "nvfp4", "fp8"),
+    ("NVFP4 trails BF16", "nvfp4", "bf16"),
+    ("the late switch to BF16 closes (part of) the gap", "nvfp4", "nvfp4_switch"),
+]
+
+
+def _verdict(diff: float | None, noise: float | None) -> str:
+    if diff is None:
+        return "no data"
+    if noise is None:
+        return "right sign (no noise estimate)" if diff > 0 else "wrong sign (no noise estimate)"
+    if diff > 2 * noise:
+        return "reproduces"
+    if diff < -2 * noise:
+        return "reversed"
+    return "within noise" + (" (right sign)" if diff > 0 else " (wrong sign)")
+
+
+def check_orderings(runs: dict, summary: dict, noise: dict) -> list[dict]:
+    """Seed-matched differences between the two configs of each of the paper's claims."""
+    rows = []
+    for claim, worse, better in ORDERINGS:
+        a, b = summary[worse], summary[better]
+        val = paired(runs, worse, better, "final_val_loss")
+        train = paired(runs, worse, better, "late_train_loss")
+        row = {"claim": claim, "worse": worse, "better": better, "pairs": len(val),
+               "diff_val_pct": statistics.fmean(val) if val else None,
+               "diff_late_train_pct": statistics.fmean(train) if train else None}
+        if not val and a["diverged_seeds"] and not b["diverged_seeds"]:
+            row["verdict_val"] = row["verdict_train"] = "reproduces (diverged)"
+        else:
+            row["verdict_val"] = _verdict(row["diff_val_pct"], noise.get("val"))
+            row["verdict_train"] = _verdict(row["diff_late_train_pct"], noise.get("train"))
+        rows.append(row)
+    return rows
+
+
+def plot(runs: dict, out: Path, key: str, filename: str, title: str, noise_pct: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "bf16" not in runs:
+        return
+    smooth = (lambda c: c) if key == "val_loss" else (
+        lambda c: [[t, v] for (t, _), v in zip(c, ema([v for _, v in c]))])
+    def done(config):
+        return {k: r for k, r in runs.get(config, {}).items() if r[key] and r["state"] == "done"}
+
+    base_runs = done("bf16")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    cmap = plt.get_cmap("tab10")
+    if noise_pct is not None:
+        ax.axhspan(-2 * noise_pct, 2 * noise_pct, color="0.85", zorder=0,
+                   label=f"±2x noise of a same-seed gap at the end (std {noise_pct:.2f}%)")
+    for i, config in enumerate(CONFIGS):
+        # seed-matched: each seed's curve against BF16's curve of the same seed, then the mean
+        seeds = sorted(set(done(config)) & set(base_runs))
+        gaps = []
+        for k in seeds:
+            mine, base = dict(map(tuple, smooth(done(config)[k][key]))), dict(map(tuple, smooth(base_runs[k][key])))
+            gaps.append([[t, 100 * (mine[t] - base[t]) / base[t]] for t in sorted(mine)
+                         if t in base and math.isfinite(mine[t])])
+        if not gaps:
+            continue
+        xs, ys = mean_curve(gaps)
+        pts = list(zip(xs, ys))
+        if key == "val_loss":
+            pts = pts[1:]  # the first evaluation is early in warm-up: all configs ~ equal, noisy
+        if not pts:
+            continue
+        style = "--" if config in ("bf16", "fp8") else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=cmap(i % 10),
+                marker="o" if key == "val_loss" else None, ms=3,
+                label=f"{LABELS[config]} (seeds {','.join(map(str, seeds))})", lw=1.6)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel(f"relative {'validation' if key == 'val_loss' else 'training'} loss gap to BF16 (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / filename, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    import torch
+
+    model = platform.processor() or "unknown"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def fmt(v, spec=".4f", none="—"):
+    return none if v is None else format(v, spec)
+
+
+def write_report(runs_dir: Path, out: Path) -> dict:
+    runs = collect(runs_dir)
+    if not runs:
+        raise SystemExit(f"no ablation runs under {runs_dir}/")
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(runs)
+    noise = seed_noise(summary)
+    pn = {"val": paired_noise(runs, "final_val_loss"), "train": paired_noise(runs, "late_train_loss")}
+    # a same-seed comparison's noise: NVFP4's seed-matched gap spread; else BF16's seed spread
+    threshold_noise = {"val": pn["val"] if pn["val"] is not None else noise.get("bf16", {}).get("std_pct"),
+                       "train": pn["train"]}
+    orderings = check_orderings(runs, summary, threshold_noise)
+    study_file = runs_dir / "study.json"
+    study = json.loads(study_file.read_text()) if study_file.exists() else {}
+    steps = study.get("steps")
+    run_walls = [r["wall_s"] for c in runs.values() for r in c.values() if r["wall_s"]]
+    sessions = study.get("sessions", [])
+    session_wall = sum(s.get("wall_s", 0) for s in sessions)
+    mach = machine()
+    plot(runs, out, "val_loss", "val_loss.png",
+         "Validation loss vs BF16 of the same seed (mean over seeds)", threshold_noise["val"])
+    plot(runs, out, "train_loss", "train_loss.png",
+         "Training loss (EMA 0.1) vs BF16 of the same seed (mean over seeds)", threshold_noise["train"])
+    results = {
+        "generated": datetime.now(timezone.utc).isoformat(), "machine": mach,
+        "study": {k: study.get(k) for k in ("steps", "overrides", "plan")},
+        "sessions": sessions, "wall_s_sum_of_runs": round(sum(run_walls), 1),
+        "wall_s_sessions": round(session_wall, 1),
+        "seed_noise": noise, "paired_noise_pct": pn, "threshold_noise_pct": threshold_noise,
+        "summary": summary, "orderings": orderings,
+        "runs": {c: {str(s): {k: v for k, v in r.items() if k not in ("train_loss",)}
+                     for s, r in seeds.items()} for c, seeds in runs.items()},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "README.md").write_text(render_readme(results, out))
+    return results
+
+
+def render_readme(res: dict, out: Path) -> str:
+    s, noise, mach = res["summary"], res["seed_noise"], res["machine"]
+    st = res["study"]
+    steps = st.get("steps")
+    ov = st.get("overrides") or STUDY_OVERRIDES
+    seq = next((o.split("=")[1] for o in ov if o.startswith("trainer.seq_length=")), "?")
+    gbs = next((o.split("=")[1] for o in ov if o.startswith("trainer.global_batch_size=")), "?")
+    tokens = steps * int(seq) * int(gbs) if steps and seq != "?" else None
+    L = []
+    headline = out / "headline.md"
+    L.append("# Precision ablations at CPU scale\n")
+    if headline.exists():
+        L.append(headline.read_text().strip() + "\n")
+    L.append("## Results\n")
+    L.append(f"Demo hybrid (`M-M*-M-M-`, ~6M parameters, first 1 / last 2 pattern layers in BF16), "
+             f"{steps} steps x {gbs} sequences x {seq} tokens = {tokens:,} tokens per run, "
+             f"same data order and initial weights for every config of a seed. "
+             f"Final validation loss on {next((o.split('=')[1] for o in ov if 'eval_batches' in o), '?')}"
+             f" fixed held-out batches of {gbs} x {seq} tokens. Gap to BF16 = (loss - BF16's loss "
+             f"of the same seed) / BF16's, averaged over the seeds both ran (per-seed values in "
+             f"brackets); late train-loss gap = the same for the mean training loss over the last "
+             f"25 % of steps.\n")
+    L.append("| config | final val loss (mean ± std over seeds) | min / max | gap to BF16, same seeds: mean (per seed) | late train-loss gap | tokens/s (median) | seeds |")
+    L.append("|---|---|---|---|---|---|---|")
+    for c in CONFIGS:
+        r = s[c]
+        if not r["seeds"] and not r["diverged_seeds"]:
+            if r["failed"]:
+                err = next(iter(r["failed"].values())).removeprefix("error: ")
+                L.append(f"| `{c}` | not run: train.py stopped at start-up — {err} | | | | | "
+                         f"{', '.join(map(str, r['failed']))} (failed) |")
+            continue
+        mean = fmt(r["final_val_loss_mean"])
+        if r["final_val_loss_std"] is not None:
+            mean += f" ± {r['final_val_loss_std']:.4f}"
+        mm = (f"{fmt(r['final_val_loss_min'])} / {fmt(r['final_val_loss_max'])}"
+              if len(r["seeds"]) > 1 else "")
+        pg = r["paired_gap_pct"]
+        gap = "0 (reference)" if c == "bf16" else (
+            f"**{statistics.fmean(pg):+.2f} %**" + (f" ({', '.join(f'{g:+.2f}' for g in pg)})"
+                                                   if len(pg) > 1 else "") if pg else "—")
+        seeds = ", ".join(map(str, r["seeds"]))
+        if r["diverged_seeds"]:
+            seeds += f" (diverged: {', '.join(map(str, r['diverged_seeds']))})"
+        late = (fmt(r["late_train_gap_pct_mean"], "+.2f") + " %") if c != "bf16" and r["late_train_gap_pct_mean"] is not None else ""
+        L.append(f"| `{c}` | {mean} | {mm} | {gap} | {late} | {fmt(r['tokens_per_sec_median'], ',.0f')} | {seeds} |")
+    L.append("")
+    L.append("tokens/s is the median per-step training throughput on a shared, loaded machine: it "
+             "compares configs only roughly (other jobs ran at the same time); on CPU every "
+             "low-precision format is emulated, so it says nothing about GPU speed.\n")
+    L.append("![validation-loss gap](val_loss.png)\n")
+    L.append("![training-loss gap](train_loss.png)\n")
+    L.append("### Seed noise\n")
+    if noise:
+        for c, n in noise.items():
+            L.append(f"- `{c}`: {n['n']} seeds, std of the final validation loss "
+                     f"{n['std']:.4f} = {n['std_pct']:.2f} % (max - min {n['range_pct']:.2f} %)")
+        L.append("")
+    else:
+        L.append("Only one seed per config: no seed noise measured.\n")
+    L.append("### The paper's orderings against this study\n")
+    tn, pn = res["threshold_noise_pct"], res["paired_noise_pct"]
+    L.append("Each claim compares two configs *seed by seed* (same data order, same initial weights): "
+             "`val` = mean over the shared seeds of (final validation loss of the config the paper finds "
+             "worse - the other's) / the other's; `late train` = the same for the mean training loss "
+             "over the last 25 % of steps (20 steps x 1,024 tokens, more tokens than the validation "
+             "set). A difference is called *reproduces* above 2x the noise of such a same-seed "
+             "difference, *reversed* below -2x, else *within noise*; the noise is the std over seeds "
+             "of NVFP4's seed-matched gap to BF16 "
+             + (f"(val {pn['val']:.2f} %, late train {pn['train']:.2f} %)" if pn.get("val") is not None
+                and pn.get("train") is not None else
+                f"(not measured: BF16's seed std {fmt(tn.get('val'), '.2f')} % used for val)")
+             + ".\n")
+    L.append("| paper's claim | worse | better | seeds | val | here (val) | late train | here (late train) |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for o in res["orderings"]:
+        dv = f"{o['diff_val_pct']:+.2f} %" if o["diff_val_pct"] is not None else "—"
+        dt = f"{o['diff_late_train_pct']:+.2f} %" if o["diff_late_train_pct"] is not None else "—"
+        L.append(f"| {o['claim']} | `{o['worse']}` | `{o['better']}` | {o['pairs']} | {dv} | "
+                 f"{o['verdict_val']} | {dt} | {o['verdict_train']} |")
+    L.append("")
+    reading = out / "reading.md"
+    if reading.exists():
+        L.append(reading.read_text().strip() + "\n")
+    L.append("## How it was run\n")
+    L.append("```bash")
+    for sess in res["sessions"]:
+        cmd = sess.get("command", "")
+        L.append("python -m launch.ablations" + cmd.split("launch/ablations.py", 1)[1]
+                 if "launch/ablations.py" in cmd else cmd)
+    L.append("python -m launch.ablations --report-only   # this report, from runs/ablations/")
+    L.append("```\n")
+    L.append("The same study in one command (the defaults: `--steps 80 --seeds 1 2`, plus seed 3 "
+             "for `bf16` and `nvfp4`): `python -m launch.ablations --jobs 2` (or `make ablations "
+             "ARGS=\"--jobs 2\"`). Finished runs are skipped, interrupted ones resume from their "
+             "last checkpoint (Ctrl-C asks the running ones to checkpoint first).\n")
+    L.append("Each run is `python train.py precision=<config> trainer.seed=<seed> run.dir=runs/ablations/<config>-s<seed> "
+             + " ".join(ov) + f" trainer.max_steps={steps} trainer.eval_every={max(1, (steps or 8) // 8)} "
+             f"trainer.save_every={max(1, (steps or 4) // 4)} run.resume=auto`.\n")
+    L.append(f"Machine: {mach['cpu']}, {mach['cores']} cores (shared with other jobs during the study), "
+             f"torch {mach['torch']}, Python {mach['python']}.\n")
+    sess_desc = "; ".join(
+        f"{x.get('started', '?')[:19]}Z, {x.get('jobs')} job(s) x {x.get('threads_per_job')} thread(s)"
+        + (f", {x['wall_s'] / 60:.1f} min" if x.get("wall_s") else ", interrupted")
+        for x in res["sessions"])
+    L.append(f"Wall time: {res['wall_s_sessions'] / 60:.1f} min over {len(res['sessions'])} "
+             f"session(s) ({sess_desc}); the runs' own wall times sum to "
+             f"{res['wall_s_sum_of_runs'] / 60:.1f} min.\n")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launch.ablations", description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds for every config")
+    ap.add_argument("--noise-seeds", type=int, nargs="*", default=[3],
+                    help="extra seeds for --noise-configs only (measures seed noise)")
+    ap.add_argument("--noise-configs", nargs="*", default=["bf16", "nvfp4"], choices=CONFIGS)
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per run (default: cores / jobs)")
+    ap.add_argument("--runs-dir", default="runs/ablations")
+    ap.add_argument("--out", default="docs/ablations")
+    ap.add_argument("--retry-failed", action="store_true",
+                    help="run again runs that failed at start-up (config errors)")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the report from existing runs")
+    args = ap.parse_args(argv)
+    os.chdir(REPO)
+    code = 0
+    if not args.report_only:
+        code = run_study(args)
+    write_report(Path(args.runs_dir), Path(args.out))
+    print(f"report: {args.out}/README.md, val_loss.png, train_loss.png, results.json")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

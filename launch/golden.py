@@ -1,0 +1,140 @@
+"""Golden losses: the per-step training losses of a short deterministic run, kept in tests/golden/.
+
+    python -m launch.golden                 # show what is stored (changes nothing)
+    python -m launch.golden --regenerate    # re-run and rewrite tests/golden/{bf16,nvfp4}.json
+
+tests/test_golden.py re-runs the same command and compares. Regenerate only on purpose (a change
+that is meant to change the numerics), and say why in the commit.
+
+Determinism: one torch thread (OMP_NUM_THREADS=1), so the summation order of the CPU kernels does
+not depend on the machine's core count; a fixed seed for the initial weights, the data order and
+the stochastic-rounding draws; the demo corpus is identified by its key (a hash of its input texts
+— the Python standard library's — its settings and the `tokenizers` version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN_DIR = REPO / "tests" / "golden"
+PRECISIONS = ["bf16", "nvfp4"]
+STEPS = 8
+# tests/train_helpers.py's FAST config, 8 steps, no evaluation, one checkpoint at the end.
+OVERRIDES = [
+    "trainer.seq_length=128", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+    "trainer.warmup_steps=2", "trainer.eval_batches=2", "logger.mode=disabled",
+    f"trainer.max_steps={STEPS}", "trainer.eval_every=1000", "trainer.save_every=1000",
+    "trainer.seed=1234", "trainer.on_nan=stop",
+]
+THREADS = 1
+ENV = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
+# Another torch build (or BLAS / CPU ISA) sums in another order: ~1e-7 relative per GEMM, which
+# training amplifies step by step, and under NVFP4 a value that moves across a rounding threshold
+# changes a whole quantized element. Stand-in measured for "another summation order": the same
+# build with 2 threads instead of 1 moved the 8 losses by at most 1.7e-4 (bf16) and 2.7e-3
+# (nvfp4). The tolerances (absolute, per step) are ~10x those.
+TOLERANCE = {"bf16": 2e-3, "nvfp4": 2e-2}
+TOLERANCE_BASIS = {"bf16": "1 vs 2 torch threads, same build: max |diff| 1.7e-4",
+                   "nvfp4": "1 vs 2 torch threads, same build: max |diff| 2.7e-3"}
+
+
+def overrides(precision: str) -> list[str]:
+    return [f"precision={precision}", *OVERRIDES]
+
+
+def corpus_key() -> str:
+    from data.config import DemoConfig
+    from data.demo import corpus_key as key, raw_documents
+
+    cfg = DemoConfig()
+    return key(cfg, raw_documents(cfg))
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name:"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
+
+
+def losses_of(run_dir: Path) -> list[float]:
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            by_step[rec["step"]] = rec["loss"]
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def train(precision: str, run_dir: Path, cache_dir: Path | None = None) -> list[float]:
+    env = {**os.environ, **ENV}
+    if cache_dir is not None:
+        env["NVFP4_CACHE"] = str(cache_dir)
+    cmd = [sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}", *overrides(precision)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise SystemExit(f"{precision}: train.py exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return losses_of(run_dir)
+
+
+def regenerate() -> None:
+    import tokenizers
+    import torch
+
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    key = corpus_key()
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in PRECISIONS:
+            t0 = time.time()
+            losses = train(p, Path(tmp) / p)
+            record = {
+                "precision": p, "losses": losses, "steps": STEPS,
+                "command": "OMP_NUM_THREADS=1 python train.py run.dir=<tmp> " + " ".join(overrides(p)),
+                "overrides": overrides(p), "env": ENV,
+                "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "python": platform.python_version(),
+                "tokenizers": tokenizers.__version__, "corpus_key": key,
+                "machine": machine(), "generated": datetime.now(timezone.utc).isoformat(),
+                "tolerance_other_builds": TOLERANCE[p], "tolerance_basis": TOLERANCE_BASIS[p],
+                "note": "regenerate with `python -m launch.golden --regenerate`; compared by "
+                        "tests/test_golden.py: exactly when torch, cpu_capability and corpus_key "
+                        "match, else within tolerance_other_builds (absolute, per step)",
+            }
+            (GOLDEN_DIR / f"{p}.json").write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{p}: {len(losses)} losses, {losses[0]:.6f} -> {losses[-1]:.6f} "
+                  f"({time.time() - t0:.0f} s) -> {GOLDEN_DIR / (p + '.json')}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launch.golden", description=__doc__.split("\n")[0])
+    ap.add_argument("--regenerate", action="store_true",
+                    help="re-run and overwrite tests/golden/*.json (on purpose only)")
+    args = ap.parse_args(argv)
+    if not args.regenerate:
+        for p in PRECISIONS:
+            f = GOLDEN_DIR / f"{p}.json"
+            if f.exists():
+                g = json.loads(f.read_text())
+                print(f"{f.relative_to(REPO)}: torch {g['torch']}, {len(g['losses'])} steps, "
+                      f"final loss {g['losses'][-1]:.6f}, generated {g['generated']}")
+        print("refusing to overwrite the golden files without --regenerate", file=sys.stderr)
+        return 2
+    regenerate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

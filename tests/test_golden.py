@@ -1,0 +1,74 @@
+"""Golden losses: a fresh 8-step run of train.py must reproduce tests/golden/<precision>.json.
+
+Exactly (bit for bit) when this torch version, its CPU kernel level (torch's
+`get_cpu_capability()`: AVX512, AVX2, ...) and the demo corpus are the ones that wrote the file:
+the run uses one torch thread and fixed seeds, so nothing else may change a loss. With another
+torch version or kernel level the CPU kernels (BLAS, vectorized reductions) may sum in another
+order, and training amplifies those last-bit differences — under NVFP4 a value crossing a
+rounding threshold changes a whole 4-bit element — so the comparison falls back to the file's
+absolute per-step tolerance (launch/golden.py: TOLERANCE, ~10x the change measured between 1- and
+2-thread runs of one build: 1.7e-4 bf16, 2.7e-3 nvfp4). A different corpus
+(another Python's standard library) trains on other tokens: nothing to compare, the test skips.
+
+Regenerate on purpose only: `python -m launch.golden --regenerate`.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from launch import golden
+from tests.train_helpers import run_train, step_losses
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def golden_runs(data_cache, tmp_path_factory):
+    """Both golden runs at once (one thread each: ~half the wall time on 2+ cores), on one corpus."""
+    from data.demo import ensure_demo_corpus
+
+    corpus = ensure_demo_corpus(str(data_cache / "data"))  # built once, before the two runs
+    refs = {p: json.loads((golden.GOLDEN_DIR / f"{p}.json").read_text()) for p in golden.PRECISIONS}
+    todo = [p for p in golden.PRECISIONS if refs[p]["corpus_key"] == corpus.key]
+    root = tmp_path_factory.mktemp("golden")
+    with ThreadPoolExecutor(max_workers=len(golden.PRECISIONS)) as pool:
+        futures = {p: pool.submit(run_train, root / p, *golden.overrides(p), cache_dir=data_cache,
+                                  env=golden.ENV, timeout=300) for p in todo}
+        results = {p: f.result() for p, f in futures.items()}
+    return corpus.key, refs, root, results
+
+
+@pytest.mark.parametrize("precision", golden.PRECISIONS)
+def test_golden_losses(precision, golden_runs):
+    key, refs, root, results = golden_runs
+    ref = refs[precision]
+    assert ref["overrides"] == golden.overrides(precision), (
+        "launch/golden.py's config changed: regenerate with `python -m launch.golden --regenerate`")
+    if ref["corpus_key"] != key:
+        pytest.skip(f"demo corpus {key} differs from the golden run's {ref['corpus_key']} "
+                    "(another Python standard library or tokenizers version): other tokens")
+    res = results[precision]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = step_losses(root / precision)
+    losses = [got[s] for s in sorted(got)]
+    assert len(losses) == len(ref["losses"]) == golden.STEPS
+    same_build = (torch.__version__ == ref["torch"]
+                  and torch.backends.cpu.get_cpu_capability() == ref["cpu_capability"])
+    if same_build:
+        assert losses == ref["losses"], (
+            f"same torch {torch.__version__} but different losses (first differing step "
+            f"{next(i + 1 for i, (a, b) in enumerate(zip(losses, ref['losses'])) if a != b)}):\n"
+            f"got    {losses}\ngolden {ref['losses']}\nif the change is intended: "
+            "python -m launch.golden --regenerate")
+    else:
+        tol = ref["tolerance_other_builds"]
+        worst = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+        assert worst <= tol, (
+            f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}) vs golden's "
+            f"{ref['torch']} ({ref['cpu_capability']}): max |loss difference| {worst:.3g} > "
+            f"tolerance {tol}")
