@@ -67,6 +67,14 @@ def status_line(step: int, max_steps: int, m: dict[str, Any], eta_s: float) -> s
     return " | ".join(parts)
 
 
+def data_line(m: dict[str, Any]) -> str:
+    """The data mix so far: phase and tokens per category (printed at each evaluation)."""
+    tokens = {k.removeprefix("data/tokens/"): v for k, v in m.items() if k.startswith("data/tokens/")}
+    total = sum(tokens.values()) or 1
+    parts = [f"{cat} {n / 1e6:.2f}M ({100 * n / total:.0f}%)" for cat, n in tokens.items()]
+    return f"data: phase {m.get('data/phase', 0)} | tokens " + ", ".join(parts)
+
+
 class MetricsSink:
     """metrics.jsonl + W&B. Non-main ranks get a sink that does nothing."""
 

@@ -21,7 +21,8 @@ from model.compat import seed_model_parallel_rng
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
 from .distributed import ParallelContext, init_distributed, shutdown
-from .metrics import MetricsSink, render, setup_logging, start_wandb, status_line
+from .metrics import (MetricsSink, data_line, render, setup_logging, start_wandb,
+                      status_line)
 from .optim import build_optimizer
 from .pipeline import run_micro_batches
 
@@ -308,6 +309,8 @@ class Trainer:
                 eta = elapsed / (self.step - start_step) * (tr.max_steps - self.step)
                 if self.step % tr.log_every == 0 or "val_loss" in metrics:
                     log.info(status_line(self.step, tr.max_steps, metrics, eta))
+                if "val_loss" in metrics:
+                    log.info(data_line(metrics))
                 sink.log(self.step, metrics)
                 if self.stop.agreed(self.ctx):
                     self.save()
