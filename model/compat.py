@@ -3,10 +3,13 @@
 One module, each item named (see tests/test_compat.py, which fails if upstream changes):
 1. `hybrid_model_class`: `MambaModel` (<= 0.16, `hybrid_override_pattern`) became `HybridModel`
    (>= 0.17, `hybrid_layer_pattern`, stack built with `layer_type_list`/`pp_layer_offset`).
-2. `base_stack_class`: the stack we extend (`MambaStack` -> `HybridStack`).
+2. `base_stack_class`: the stack we extend (`ssm.mamba_block.MambaStack` ->
+   `models.hybrid.hybrid_block.HybridStack`); newer releases pass the stage's layer list and
+   offset to the stack, older ones let it slice the pattern itself (model/stack.py takes both).
 3. `te_autocast`: `te.fp8_autocast(fp8_recipe=...)` became `te.autocast(recipe=...)` (TE 2.x).
 4. `seed_model_parallel_rng`: megatron's `model_parallel_cuda_manual_seed` reads the CUDA RNG
-   (`random.py:235`, 0.16.1); on CPU we seed torch's RNG per TP rank the same way instead.
+   (`random.py:235`, 0.16.1); on CPU we seed torch's RNG only (CPU initialisation draws full
+   weights, identical on every TP rank, and dropout is 0).
 5. `cpu_dist_checkpoint_save`: the one patch. megatron's distributed-checkpoint save calls
    `torch.cuda.synchronize()` after staging tensors (`filesystem_async.py:230`) and allocates a
    status flag on `torch.cuda.current_device()` (`state_dict_saver.py:252`). On a machine without
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
+
 import torch
 
 
@@ -30,6 +34,17 @@ def hybrid_model_class():
         from megatron.core.models.mamba import MambaModel  # megatron-core 0.16
 
         return MambaModel
+
+
+def base_stack_class():
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack  # >= 0.17
+
+        return HybridStack
+    except ImportError:
+        from megatron.core.ssm.mamba_block import MambaStack  # 0.16
+
+        return MambaStack
 
 
 def hybrid_model_kwargs(stack_spec, pattern: str) -> dict:

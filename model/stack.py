@@ -12,7 +12,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Callable, Optional, Sequence
 
-from megatron.core.ssm.mamba_block import MambaStack
 import torch
 from torch import nn
 from megatron.core.transformer.module import MegatronModule
@@ -21,12 +20,13 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
+from .compat import base_stack_class
 from .config import LAYER_SYMBOLS
 
 KIND_TO_SYMBOL = {kind: symbol for symbol, kind in LAYER_SYMBOLS.items()}
 
 
-class HybridStack(MambaStack):
+class HybridStack(base_stack_class()):  # megatron-core's MambaStack / HybridStack
     def __init__(
         self,
         config,
@@ -41,6 +41,8 @@ class HybridStack(MambaStack):
         post_layer_norm: bool = True,
         post_process: bool = True,
         pg_collection=None,
+        layer_type_list=None,
+        pp_layer_offset=None,
         **_megatron_kwargs,  # hybrid ratios / pattern: the layer specs already fix the layers
     ) -> None:
         MegatronModule.__init__(self, config=config)
@@ -56,7 +58,9 @@ class HybridStack(MambaStack):
 
         symbols = [KIND_TO_SYMBOL[kind] for kind in layer_kinds]
         offset = 0
-        if self.pp_group.size() > 1:
+        if layer_type_list is not None:  # megatron-core >= 0.17 picked this stage's layers
+            offset, symbols = pp_layer_offset or 0, list(layer_type_list)
+        elif self.pp_group.size() > 1:  # 0.16: the stack slices the pattern itself
             offset, symbols = self._select_layers_for_pipeline_parallel(symbols)
         self.layer_type_list = symbols
         self.layer_offset = offset

@@ -20,6 +20,12 @@ def test_hybrid_model_class_and_its_keywords():
     assert sorted(kwargs.values()) == ["M-*", "SPEC"]
 
 
+def test_base_stack_class_is_megatrons_hybrid_stack():
+    cls = compat.base_stack_class()
+    assert cls.__name__ in ("MambaStack", "HybridStack")
+    assert hasattr(cls, "sharded_state_dict")  # what our stack inherits for checkpoints
+
+
 def test_megatron_stack_still_hardwires_te_final_norm():
     """Why model/stack.py builds its own final norm: upstream's needs Transformer Engine."""
     from megatron.core.ssm import mamba_block
