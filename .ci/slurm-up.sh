@@ -9,6 +9,8 @@
 # Installs the packages when missing (needs root, ~5 s). No systemd, no cgroups: the node
 # advertises SLURM_CPUS (default 4) CPUs whatever the machine has (SlurmdParameters=config_overrides).
 set -euo pipefail
+# Debian installs the daemons (and runuser) in sbin, which a non-login PATH may lack.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 STATE=${SLURM_STATE_DIR:-/tmp/nvfp4-slurm}
 CONF=$STATE/slurm.conf
 HOST=$(hostname -s)
