@@ -207,7 +207,7 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
         xq = GemmOperand(*nvfp4_scaled_values(x, 1, dtype=torch.bfloat16))
         wq = GemmOperand(*nvfp4_scaled_values(w, 16, dtype=torch.bfloat16))
         paths["nvfp4 fast, pre-quantized"] = (
-            "emulated GEMM only (nvfp4_recipe, fast)", lambda: emulated_gemm(xq, wq))
+            "emulated GEMM only (nvfp4_recipe, fast)", lambda: emulated_gemm(xq, wq, torch.bfloat16))
         notes = {"nvfp4 fast": "quantizes x (1x16) and W (16x16) per call",
                  "nvfp4 exact": "fp32 GEMM of q*s; quantizes per call",
                  "nvfp4 fast, pre-quantized": "operands quantized outside the timing"}
@@ -315,10 +315,10 @@ def flops_per_token(cfg, seq: int, vocab: int) -> float:
 
 @contextlib.contextmanager
 def _quantizer_timer(timer: SectionTimer):
-    """Wrap the quantizer / RHT entry points the emulated linears call (module globals)."""
+    """Wrap the quantizer and Wgrad-transpose (+ RHT) entry points the emulated linears call."""
     import nvfp4_recipe.linear as lin
 
-    names = ["nvfp4_scaled_values", "random_hadamard_transform", "mxfp4_dequantized_values",
+    names = ["nvfp4_scaled_values", "transpose_padded", "mxfp4_dequantized_values",
              "fp8_block_dequantized_values"]
     saved = {n: getattr(lin, n) for n in names if hasattr(lin, n)}
     for n, fn in saved.items():

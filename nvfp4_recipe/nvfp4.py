@@ -18,9 +18,8 @@ from nvfp4_recipe.formats import (
     FP32_MAX,
     FP32_RECIPROCAL_OF_6,
     as_rows,
+    chunk_numel,
     row_chunks,
-    serial_intra_op,
-    CHUNK_ELEMENTS,
     unpack_codes,
     decode_e2m1,
 )
@@ -75,10 +74,9 @@ def _block_amax(x2d: torch.Tensor, tile_rows: int) -> torch.Tensor:
     """max |x| per 1x16 block, or per 16x16 tile repeated over its rows: float32 (rows, K // 16)."""
     rows, k = x2d.shape
     vec_max = torch.empty(rows, k // BLOCK, dtype=torch.float32, device=x2d.device)
-    scratch = torch.empty(_chunk_numel(k), dtype=torch.float32, device=x2d.device)
-    with serial_intra_op():
-        for start, stop in row_chunks(rows, k):
-            _block_amax_chunk(x2d, scratch, vec_max, start, stop)
+    scratch = torch.empty(min(rows * k, chunk_numel(k)), dtype=torch.float32, device=x2d.device)
+    for start, stop in row_chunks(rows, k):
+        _block_amax_chunk(x2d, scratch, vec_max, start, stop)
     if tile_rows > 1:
         tile_max = vec_max.view(rows // tile_rows, tile_rows, k // BLOCK).amax(dim=1)
         vec_max = tile_max.repeat_interleave(tile_rows, dim=0)
@@ -90,14 +88,13 @@ def _block_amax_chunk(
 ) -> None:
     rows, k = stop - start, x2d.shape[1]
     chunk = scratch[: rows * k].view(1, rows, k)
-    chunk.copy_(x2d[start:stop]).abs_()
+    if x2d.dtype == torch.float32:
+        torch.abs(x2d[start:stop], out=chunk[0])
+    else:
+        chunk.copy_(x2d[start:stop]).abs_()
     # max_pool1d is several times faster on CPU than amax over a trailing dim of 16.
     pooled = torch.nn.functional.max_pool1d(chunk, BLOCK, BLOCK)
     vec_max[start:stop].copy_(pooled.view(rows, k // BLOCK))
-
-
-def _chunk_numel(k: int) -> int:
-    return max(k, CHUNK_ELEMENTS // k * k)
 
 
 def block_scales(

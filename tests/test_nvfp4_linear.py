@@ -199,3 +199,41 @@ def test_backward_saves_no_activation_copy_when_weight_is_frozen():
     assert all(t.data_ptr() != x.data_ptr() for t in saved)
     y.backward(dy)
     assert x.grad is not None
+
+
+def _heavy_tailed(rows, cols, dtype, seed=0):
+    """Per-column ranges 1e-4..1e3: sums of 16 such values round in FP32, so the order matters."""
+    gen = torch.Generator().manual_seed(seed)
+    ranges = torch.logspace(-4, 3, cols, dtype=torch.float64)[torch.randperm(cols, generator=gen)]
+    return (torch.randn(rows, cols, generator=gen, dtype=torch.float64) * ranges).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [16, 200, 300, 1000])  # one block, partial blocks, padding
+def test_blocked_transpose_and_fused_rht_equal_the_unfused_composition(dtype, tokens):
+    # The Wgrad source is built block by block (transpose in cache, RHT on each block); it must be
+    # bit-identical to pad(t^T) and to random_hadamard_transform(pad(t^T)) computed whole.
+    from nvfp4_recipe.hadamard import rht_matrix
+    from nvfp4_recipe.linear import transpose_padded
+
+    t = _heavy_tailed(tokens, 48, dtype)
+    plain = _pad_t(t, 16)
+    assert torch.equal(transpose_padded(t, 16), plain)
+    assert torch.equal(transpose_padded(t, 16, rht_matrix()), random_hadamard_transform(plain))
+    assert torch.equal(transpose_padded(t, 128), _pad_t(t, 128))  # FP8's 128-token blocks
+
+
+def test_fast_output_is_the_bf16_gemm_times_the_fp32_scales_rounded_once_more():
+    # emulated_gemm multiplies the bf16 GEMM output in place by the 0-d FP32 scale product: torch
+    # must compute that in FP32 (not round the scale to bf16 first), or outputs drift by ~2**-8.
+    from nvfp4_recipe.linear import GemmOperand, emulated_gemm
+    from nvfp4_recipe.nvfp4 import nvfp4_scaled_values
+
+    x, w, _, _ = _problem(tokens=(64,), dtype=torch.bfloat16)
+    a = GemmOperand(*nvfp4_scaled_values(x))
+    b = GemmOperand(*nvfp4_scaled_values(w, 16))
+    scale = a.decode_scale * b.decode_scale
+    assert scale.item() != scale.to(torch.bfloat16).item()  # otherwise the test could not fail
+    expected = (torch.mm(a.values, b.values.t()).float() * scale).to(torch.bfloat16)
+    assert torch.equal(emulated_gemm(a, b, torch.bfloat16), expected)
+    assert torch.equal(emulated_gemm(a, b, torch.float32), torch.mm(a.values, b.values.t()).float() * scale)
