@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from nvfp4_recipe.kernels import check_kernel_mode
+
 Gemm = Literal["fast", "exact"]
 _GEMMS = ("fast", "exact")
 
@@ -28,6 +30,8 @@ class NVFP4Config:
                         scales applied to its bf16 output (one extra rounding, <= 1 bf16 ulp);
                         "exact": FP32 GEMM of q*s, then the scales (what the hardware computes, up
                         to summation order).
+    kernels:            "auto" (default), "eager" or "compiled": how the operands' quantizers run
+                        (nvfp4_recipe.kernels); all three compute the same bits.
     """
 
     rht: bool = True
@@ -36,9 +40,11 @@ class NVFP4Config:
     quantize_forward: bool = True
     quantize_backward: bool = True
     gemm: Gemm = "fast"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         _check_gemm(self.gemm, "NVFP4Config")
+        check_kernel_mode(self.kernels, "NVFP4Config")
 
 
 @dataclass(frozen=True)

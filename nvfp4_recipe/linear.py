@@ -89,8 +89,9 @@ class _FormatOps:
     def weight_fprop(self, weight: torch.Tensor) -> GemmOperand: ...
     def weight_dgrad(self, weight: torch.Tensor, fprop: GemmOperand | None) -> GemmOperand: ...
     def grad_dgrad(self, dy2d: torch.Tensor, generator: torch.Generator | None) -> GemmOperand: ...
-    def grad_wgrad(self, dy_t: torch.Tensor, generator: torch.Generator | None) -> GemmOperand: ...
-    def activation_wgrad(self, x_t: torch.Tensor) -> GemmOperand: ...
+    # The Wgrad operands take the (T, C) tensors; blocks run along T (see wgrad_source).
+    def grad_wgrad(self, dy2d: torch.Tensor, generator: torch.Generator | None) -> GemmOperand: ...
+    def activation_wgrad(self, x2d: torch.Tensor) -> GemmOperand: ...
 
 
 class _NVFP4Ops(_FormatOps):
@@ -100,7 +101,8 @@ class _NVFP4Ops(_FormatOps):
 
     def _q(self, t: torch.Tensor, tile_rows: int = 1, stochastic: bool = False,
            generator: torch.Generator | None = None) -> GemmOperand:
-        return GemmOperand(*nvfp4_scaled_values(t, tile_rows, stochastic, generator, self.gemm_dtype))
+        return GemmOperand(*nvfp4_scaled_values(
+            t, tile_rows, stochastic, generator, self.gemm_dtype, self.config.kernels))
 
     def activation(self, x2d):
         return self._q(x2d)
@@ -120,11 +122,11 @@ class _NVFP4Ops(_FormatOps):
         hadamard = rht_matrix(device=t2d.device) if self.config.rht else None
         return transpose_padded(t2d, self.block, hadamard)
 
-    def grad_wgrad(self, dy_t, generator):
-        return self._q(dy_t, 1, self.config.stochastic_rounding, generator)
+    def grad_wgrad(self, dy2d, generator):
+        return self._q(self.wgrad_source(dy2d), 1, self.config.stochastic_rounding, generator)
 
-    def activation_wgrad(self, x_t):
-        return self._q(x_t)
+    def activation_wgrad(self, x2d):
+        return self._q(self.wgrad_source(x2d))
 
 
 class _MXFP4Ops(_FormatOps):
@@ -147,11 +149,11 @@ class _MXFP4Ops(_FormatOps):
     def grad_dgrad(self, dy2d, generator):
         return self._q(dy2d, self.config.stochastic_rounding, generator)
 
-    def grad_wgrad(self, dy_t, generator):
-        return self._q(dy_t, self.config.stochastic_rounding, generator)
+    def grad_wgrad(self, dy2d, generator):
+        return self._q(self.wgrad_source(dy2d), self.config.stochastic_rounding, generator)
 
-    def activation_wgrad(self, x_t):
-        return self._q(x_t)
+    def activation_wgrad(self, x2d):
+        return self._q(self.wgrad_source(x2d))
 
 
 class _FP8BlockOps(_FormatOps):
@@ -181,11 +183,11 @@ class _FP8BlockOps(_FormatOps):
     def grad_dgrad(self, dy2d, generator):
         return self._q(dy2d)
 
-    def grad_wgrad(self, dy_t, generator):
-        return self._q(dy_t)
+    def grad_wgrad(self, dy2d, generator):
+        return self._q(self.wgrad_source(dy2d))
 
-    def activation_wgrad(self, x_t):
-        return self._q(x_t)
+    def activation_wgrad(self, x2d):
+        return self._q(self.wgrad_source(x2d))
 
 
 def _ops_for(config: QuantConfig) -> _FormatOps:
@@ -279,8 +281,8 @@ class _QuantizedLinear(torch.autograd.Function):
                 dgrad_operand = ops.grad_dgrad(dy2d, ctx.generator)
                 dx = emulated_gemm(dgrad_operand, ops.weight_dgrad(weight, fprop), ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dy_t, x_t = ops.wgrad_source(dy2d), ops.wgrad_source(x2d)
-                dw = emulated_gemm(ops.grad_wgrad(dy_t, ctx.generator), ops.activation_wgrad(x_t), weight.dtype)
+                dw_operands = ops.grad_wgrad(dy2d, ctx.generator), ops.activation_wgrad(x2d)
+                dw = emulated_gemm(*dw_operands, weight.dtype)
         if dx is not None:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         if dw is not None:

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from nvfp4_recipe import kernels as fused
 from nvfp4_recipe.formats import (
     encode_e2m1_blocks,
     E2M1_MAX,
@@ -70,13 +71,16 @@ def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s_enc, torch.div(1.0, s_enc)
 
 
-def _block_amax(x2d: torch.Tensor, tile_rows: int) -> torch.Tensor:
+def _block_amax(x2d: torch.Tensor, tile_rows: int, compiled: bool = False, strict: bool = False) -> torch.Tensor:
     """max |x| per 1x16 block, or per 16x16 tile repeated over its rows: float32 (rows, K // 16)."""
     rows, k = x2d.shape
-    vec_max = torch.empty(rows, k // BLOCK, dtype=torch.float32, device=x2d.device)
-    scratch = torch.empty(min(rows * k, chunk_numel(k)), dtype=torch.float32, device=x2d.device)
-    for start, stop in row_chunks(rows, k):
-        _block_amax_chunk(x2d, scratch, vec_max, start, stop)
+    if compiled:
+        vec_max = fused.block_amax(x2d, BLOCK, strict)
+    else:
+        vec_max = torch.empty(rows, k // BLOCK, dtype=torch.float32, device=x2d.device)
+        scratch = torch.empty(min(rows * k, chunk_numel(k)), dtype=torch.float32, device=x2d.device)
+        for start, stop in row_chunks(rows, k):
+            _block_amax_chunk(x2d, scratch, vec_max, start, stop)
     if tile_rows > 1:
         tile_max = vec_max.view(rows // tile_rows, tile_rows, k // BLOCK).amax(dim=1)
         vec_max = tile_max.repeat_interleave(tile_rows, dim=0)
@@ -138,21 +142,28 @@ def quantize_nvfp4_core(
     generator: torch.Generator | None,
     want_codes: bool,
     values_dtype: torch.dtype | None,
+    kernels: str = "eager",
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize contiguous 2-D x2d (rows, K). Returns (packed codes | None, E4M3 scales, amax,
     S_dec, scaled values q * s | None).
 
     The scaled values q * s are exact in bfloat16 (<= 6 significant bits, in [2**-10, 2688]), so a
     GEMM on them with FP32 accumulation times the two S_dec computes what FP4 tensor cores compute.
-    Two passes over x: block amax, then scale / round / encode chunk by chunk in L2-sized buffers.
+    Two passes over x: block amax, then scale / round / encode. kernels="compiled" (or "auto" where
+    available) runs both as fused kernels (nvfp4_recipe.kernels; values only: codes stay eager),
+    bit-identical to the eager ones.
     """
     rows, k = x2d.shape
     device = x2d.device
-    vec_max = _block_amax(x2d, tile_rows)
+    compiled = fused.use_compiled(kernels, device) and not want_codes and values_dtype is not None
+    strict = kernels == "compiled"
+    vec_max = _block_amax(x2d, tile_rows, compiled, strict)
     amax = vec_max.amax() if vec_max.numel() else torch.zeros((), device=device)
     scale_e4m3, encode, s_dec = block_scales(vec_max, amax)
     decode = scale_e4m3.float() if values_dtype is not None else None
-
+    if compiled:
+        values = fused.encode_values(x2d, BLOCK, encode, decode, stochastic, generator, values_dtype, strict)
+        return None, scale_e4m3, amax, s_dec, values
     packed, values = encode_e2m1_blocks(
         x2d, BLOCK, encode, decode, stochastic=stochastic, generator=generator,
         want_codes=want_codes, values_dtype=values_dtype)
@@ -188,14 +199,16 @@ def nvfp4_scaled_values(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    kernels: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q * s in `dtype`, S_dec): the GEMM operand of an emulated NVFP4 GEMM, no code packing.
 
     x2d must be 2-D with K % 16 == 0 (and rows % 16 == 0 for tile_rows=16). q * s is exact in
-    bfloat16 and float32; the dequantized tensor is (q * s) * S_dec.
+    bfloat16 and float32; the dequantized tensor is (q * s) * S_dec. `kernels` ("eager",
+    "compiled", "auto") picks how the quantizer runs (nvfp4_recipe.kernels); the bits are the same.
     """
     x2d = _as_nvfp4_rows(x2d, tile_rows, check_finite=False)
     _, _, _, s_dec, values = quantize_nvfp4_core(
-        x2d, tile_rows, stochastic, generator, want_codes=False, values_dtype=dtype
+        x2d, tile_rows, stochastic, generator, want_codes=False, values_dtype=dtype, kernels=kernels
     )
     return values, s_dec

@@ -33,6 +33,7 @@ def gemm_config_for(fmt: str, cfg: PrecisionConfig):
             stochastic_rounding=cfg.stochastic_rounding,
             weight_2d=cfg.weight_2d,
             gemm=cfg.gemm,
+            kernels=cfg.kernels,
         )
     if fmt == "mxfp4":
         return MXFP4Config(gemm=cfg.gemm)

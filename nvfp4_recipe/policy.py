@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .kernels import KERNEL_MODES
+
 FORMATS = ("bf16", "nvfp4", "fp8", "mxfp4")
 BACKENDS = ("auto", "te", "emulated")
 SWITCH_PASSES = ("forward", "all")
@@ -45,6 +47,8 @@ class PrecisionConfig:
     backend: str = "auto"
     # Emulated GEMM: "fast" multiplies the (exact) bf16 q*s operands in bf16, "exact" in fp32.
     gemm: str = "fast"
+    # Emulation quantizers: "auto" (compiled on CPU when a C++ compiler exists), "eager", "compiled".
+    kernels: str = "auto"
     # Quantization diagnostics every N optimizer steps (0 = off).
     diagnostics_every: int = 0
 
@@ -69,6 +73,8 @@ def validate_precision(cfg: PrecisionConfig) -> None:
         raise ValueError(f"precision.backend={cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
     if cfg.gemm not in GEMM_MODES:
         raise ValueError(f"precision.gemm={cfg.gemm!r}: choose one of {', '.join(GEMM_MODES)}")
+    if cfg.kernels not in KERNEL_MODES:
+        raise ValueError(f"precision.kernels={cfg.kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     if cfg.switch_to_bf16.passes not in SWITCH_PASSES:
         raise ValueError(
             f"precision.switch_to_bf16.passes={cfg.switch_to_bf16.passes!r}: "
@@ -151,6 +157,7 @@ class PrecisionPolicy:
             },
             "backend": cfg.backend,
             "gemm": cfg.gemm,
+            "kernels": cfg.kernels,
         }
 
 

@@ -1,0 +1,92 @@
+"""The torch.compile'd quantization kernels against the eager ones: the same bits, always.
+
+The eager kernels are checked against the independent per-block reference elsewhere
+(tests/test_quant_reference.py), so bit equality here carries that over to the compiled path.
+Shapes are small; each dtype / rounding variant compiles once per process (a few seconds).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from nvfp4_recipe import NVFP4Config, nvfp4_linear
+from nvfp4_recipe.kernels import _Fused, use_compiled
+from nvfp4_recipe.nvfp4 import nvfp4_scaled_values
+from nvfp4_recipe.policy import PrecisionConfig, validate_precision
+
+needs_compiler = pytest.mark.skipif(not use_compiled("auto", torch.device("cpu")),
+                                    reason="no C++ compiler for inductor on this machine")
+
+
+def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ranges = torch.logspace(-4, 3, 64, dtype=torch.float64)[torch.randperm(64, generator=gen)]
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, 6.0, -6.0, 0.0, 1e-30, 3.0, -5.0, 0.5, 4.0])
+    return {
+        "normal": torch.randn(48, 64, generator=gen).to(dtype),
+        "heavy-tailed": (torch.randn(48, 64, generator=gen, dtype=torch.float64) * ranges).to(dtype),
+        "zeros": torch.zeros(32, 64, dtype=dtype),
+        "ties": (ties.repeat(32, 4) * torch.tensor(2.0) ** torch.arange(32).view(32, 1).sub(16)).to(dtype),
+    }
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # Fprop/Dgrad input, Wgrad input
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_compiled_quantizer_is_bit_identical_to_eager(dtype, stochastic):
+    for name, x in _inputs(dtype).items():
+        for tile_rows in (1, 16):
+            results = []
+            for kernels in ("eager", "compiled"):
+                gen = torch.Generator().manual_seed(7)
+                results.append(nvfp4_scaled_values(x, tile_rows, stochastic, gen, torch.bfloat16, kernels))
+            (eager, eager_scale), (compiled, compiled_scale) = results
+            assert torch.equal(eager.view(torch.int16), compiled.view(torch.int16)), (name, tile_rows)
+            assert torch.equal(eager_scale, compiled_scale)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rht", [True, False])
+def test_compiled_linear_forward_and_backward_are_bit_identical_to_eager(rht):
+    gen = torch.Generator().manual_seed(1)
+    x = _inputs(torch.bfloat16)["heavy-tailed"].repeat(2, 1)[:72]  # 72 tokens: Wgrad pads to 80
+    w = torch.randn(48, 64, generator=gen, dtype=torch.bfloat16) / 8
+    dy = torch.randn(72, 48, generator=gen, dtype=torch.bfloat16)
+    outs = []
+    for kernels in ("eager", "compiled"):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = nvfp4_linear(xr, wr, None, NVFP4Config(rht=rht, kernels=kernels), torch.Generator().manual_seed(3))
+        y.backward(dy)
+        outs.append((y, xr.grad, wr.grad))
+    for eager, compiled in zip(*outs):
+        assert torch.equal(eager, compiled)
+
+
+def _graph_break(x: torch.Tensor) -> torch.Tensor:
+    if x.sum().item() > 0:  # data-dependent Python control flow: fullgraph compilation fails
+        return x + 1
+    return x - 1
+
+
+def test_auto_falls_back_to_eager_with_one_warning_and_compiled_raises():
+    fused = _Fused(_graph_break)
+    x = torch.ones(4)
+    with pytest.warns(RuntimeWarning, match="precision.kernels=eager"):
+        assert torch.equal(fused(False, x), x + 1)
+    assert fused.failure is not None
+    assert torch.equal(fused(False, -x), -x - 1)  # no second attempt, no second warning
+    with pytest.raises(Exception):
+        _Fused(_graph_break)(True, x)
+
+
+def test_kernel_modes_are_validated_and_selected():
+    assert use_compiled("compiled", torch.device("cpu")) and not use_compiled("eager", torch.device("cpu"))
+    assert use_compiled("auto", torch.device("cpu")) == bool(shutil.which("g++") or shutil.which("c++")
+                                                             or shutil.which("clang++"))
+    with pytest.raises(ValueError, match="kernels='fused'"):
+        NVFP4Config(kernels="fused")
+    with pytest.raises(ValueError, match="precision.kernels='jit'"):
+        validate_precision(PrecisionConfig(format="nvfp4", kernels="jit"))
