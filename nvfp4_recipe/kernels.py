@@ -27,6 +27,8 @@ from nvfp4_recipe.formats import (
     _ONE_BITS,
     _ONE_ULP_EXPONENT,
     E2M1_MAX,
+    UNIFORM_BITS_MASK,
+    UNIFORM_BITS_SCALE,
 )
 
 KERNEL_MODES = ("auto", "eager", "compiled")
@@ -71,17 +73,19 @@ def _e2m1_values_nearest(x, encode, decode, out_dtype: torch.dtype) -> torch.Ten
     return (((v + magic) - magic) * decode).to(out_dtype)
 
 
-def _e2m1_values_stochastic(x, encode, decode, uniform, out_dtype: torch.dtype) -> torch.Tensor:
-    """formats.round_e2m1_stochastic_ (same ops, same order) with the given uniforms."""
+def _e2m1_values_stochastic(x, encode, decode, random_bits, out_dtype: torch.dtype) -> torch.Tensor:
+    """formats.round_e2m1_stochastic_ (same ops, same order) with the given 24-bit draws."""
     v, exponent = _scaled_clamped(x, encode)
     step = (exponent - _ONE_ULP_EXPONENT).view(torch.float32)
     scaled = v / step
     floor = torch.floor(scaled)
+    # formats.draw_uniform_bits_'s mask, fused here; exact: < 2**24, times a power of two
+    uniform = torch.bitwise_and(random_bits, UNIFORM_BITS_MASK).float() * UNIFORM_BITS_SCALE
     rounded = (floor + torch.ceil((scaled - floor) - uniform)) * step
     return (rounded * decode).to(out_dtype)
 
 
-class _Fused:
+class Fused:
     """A kernel function and its torch.compile'd form. If compiling fails (no working C++
     toolchain, an unsupported platform), "auto" warns once and runs the function eagerly, which
     computes the same bits; "compiled" raises."""
@@ -107,9 +111,9 @@ class _Fused:
         return self.fn(*args)
 
 
-_BLOCK_AMAX = _Fused(_block_amax_flat)
-_VALUES_NEAREST = _Fused(_e2m1_values_nearest)
-_VALUES_STOCHASTIC = _Fused(_e2m1_values_stochastic)
+_BLOCK_AMAX = Fused(_block_amax_flat)
+_VALUES_NEAREST = Fused(_e2m1_values_nearest)
+_VALUES_STOCHASTIC = Fused(_e2m1_values_stochastic)
 
 
 def block_amax(x2d: torch.Tensor, block: int, strict: bool = False) -> torch.Tensor:
@@ -130,15 +134,15 @@ def encode_values(
 ) -> torch.Tensor:
     """The values output of formats.encode_e2m1_blocks (no codes), in one fused pass.
 
-    The uniforms are drawn for the whole tensor in row-major order, which is the sequence the
-    eager kernel draws chunk by chunk, so both round every element with the same u.
+    The random bits are drawn for the whole tensor in row-major order, the sequence the eager
+    kernel draws chunk by chunk, so both round every element with the same u.
     """
     rows, k = x2d.shape
     x = x2d.view(-1, block).detach()
     encode, decode = encode.reshape(-1, 1).detach(), decode.reshape(-1, 1).detach()
     if stochastic:
-        uniform = torch.empty(x.shape, dtype=torch.float32, device=x.device).uniform_(generator=generator)
-        values = _VALUES_STOCHASTIC(strict, x, encode, decode, uniform, values_dtype)
+        random_bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=generator)
+        values = _VALUES_STOCHASTIC(strict, x, encode, decode, random_bits, values_dtype)
     else:
         values = _VALUES_NEAREST(strict, x, encode, decode, values_dtype)
     return values.view(rows, k)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nvfp4_recipe import NVFP4Config, nvfp4_linear
-from nvfp4_recipe.kernels import _Fused, use_compiled
+from nvfp4_recipe.kernels import Fused, use_compiled
 from nvfp4_recipe.nvfp4 import nvfp4_scaled_values
 from nvfp4_recipe.policy import PrecisionConfig, validate_precision
 
@@ -72,14 +72,14 @@ def _graph_break(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_auto_falls_back_to_eager_with_one_warning_and_compiled_raises():
-    fused = _Fused(_graph_break)
+    fused = Fused(_graph_break)
     x = torch.ones(4)
     with pytest.warns(RuntimeWarning, match="precision.kernels=eager"):
         assert torch.equal(fused(False, x), x + 1)
     assert fused.failure is not None
     assert torch.equal(fused(False, -x), -x - 1)  # no second attempt, no second warning
     with pytest.raises(Exception):
-        _Fused(_graph_break)(True, x)
+        Fused(_graph_break)(True, x)
 
 
 def test_kernel_modes_are_validated_and_selected():

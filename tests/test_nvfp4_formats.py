@@ -273,3 +273,16 @@ def test_sr_draws_one_uniform_per_element():
 def test_bad_input_raises_value_error_naming_the_problem(x, kwargs, message):
     with pytest.raises(ValueError, match=message):
         quantize_nvfp4(x, **kwargs)
+
+
+def test_sr_draws_are_the_24_bit_uniforms_torch_would_draw():
+    # draw_uniform_bits_ keeps the low 24 bits of one 32-bit draw per element: on CPU those are
+    # exactly torch's float32 uniform_ numbers, and the generator advances by the same amount.
+    from nvfp4_recipe.formats import UNIFORM_BITS_SCALE, draw_uniform_bits_
+
+    for n in (1, 17, 100_003):
+        ours, theirs = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
+        bits = draw_uniform_bits_(torch.empty(n, dtype=torch.int32), ours)
+        assert int(bits.min()) >= 0 and int(bits.max()) < 2**24
+        assert torch.equal(bits.double() * UNIFORM_BITS_SCALE, torch.empty(n).uniform_(generator=theirs).double())
+        assert torch.equal(torch.rand(4, generator=ours), torch.rand(4, generator=theirs))
