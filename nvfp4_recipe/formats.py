@@ -109,8 +109,9 @@ def round_e2m1_stochastic_(
 
     With step the grid spacing at |v| (a power of two) and f = v / step (exact), the result is
     step * (floor(f) + [u < f - floor(f)]), u ~ U[0, 1) drawn once per element from `generator`
-    (draw_uniform_bits_): the upper neighbour is taken with probability (v - lo) / (hi - lo) (u has 24 random bits, so
-    the probability is exact to 2**-24). Never leaves the two neighbours; |v| = 6 stays 6.
+    (draw_uniform_bits_): the upper neighbour is taken with probability (v - lo) / (hi - lo) (u
+    has 24 random bits, so the probability is exact to 2**-24). Never leaves the two neighbours;
+    |v| = 6 stays 6.
     The indicator [u < frac] is ceil(frac - u): frac - u is in (0, 1) when u < frac and in (-1, 0]
     otherwise (an FP32 difference of unequal numbers is never rounded to zero), and float-only ops
     avoid the slow bool paths of lt/add on CPU.
