@@ -98,6 +98,7 @@ def draw_uniform_bits_(out: torch.Tensor, generator: torch.Generator | None) -> 
     u = bits * 2**-24 in [0, 1) is, on CPU, exactly the number torch's float32 uniform_ would
     draw (it keeps the same 24 bits of the same draw; tests/test_nvfp4_formats.py checks it), at
     ~30 % less cost: the draw loop is serial, and these draws are a quarter of an emulated step.
+    (On CUDA both come from Philox, and the two streams differ.)
     """
     return out.random_(generator=generator).bitwise_and_(UNIFORM_BITS_MASK)
 
@@ -125,10 +126,11 @@ def round_e2m1_stochastic_(
     step = bits.view(torch.float32)
     v.div_(step)  # exact: division by a power of two
     torch.floor(v, out=floor)
-    v.sub_(floor)  # fractional part, exact
+    v.sub_(floor)  # fractional part (exact, except that -tiny gives 1.0: it rounds up either way)
     random_bits = draw_uniform_bits_(scratch.random_bits[:n].view(v.shape), generator)
-    # frac - u, with u = bits * 2**-24 (exact), rounded once; 1 where u < frac, else 0 or -0
-    round_up = torch.sub(v, random_bits, alpha=UNIFORM_BITS_SCALE, out=uniform).ceil_()
+    # frac - u, with u = bits * 2**-24 (exact), rounded once; ceil: 1 where u < frac, else 0 or
+    # -0, and abs_ turns -0 into +0, so that v = -0 (floor -0) rounds to +0, not -0 + -0 = -0.
+    round_up = torch.sub(v, random_bits, alpha=UNIFORM_BITS_SCALE, out=uniform).ceil_().abs_()
     floor.add_(round_up)
     return floor.mul_(step)
 

@@ -4,8 +4,9 @@ The eager kernels (formats.py, nvfp4.py) run ~10 in-place elementwise ops per ch
 pass over memory. Compiled by inductor, the same formulas become one loop per pass: the block amax
 reads x once, and scale / clamp / round / rescale reads x (and the uniforms) once and writes the
 bf16 operand once. They are bit-identical to the eager kernels (tests/test_kernels.py): the same FP32
-operations in the same order, no reassociation (inductor compiles without -fassociative-math), and
-the stochastic-rounding uniforms are drawn eagerly from the caller's generator in the same order.
+operations in the same order, no reassociation (inductor's default C++ flags exclude
+-fassociative-math; do not set TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG), and the
+stochastic-rounding bits are drawn eagerly from the caller's generator in the same order.
 
 Selection (NVFP4Config.kernels / precision.kernels): "eager", "compiled", or "auto" = compiled on
 CPU when inductor can build C++ (a compiler is on PATH), eager on GPUs (the compiled GPU path needs
@@ -28,6 +29,8 @@ from nvfp4_recipe.formats import (
     _ONE_ULP_EXPONENT,
     E2M1_MAX,
     UNIFORM_BITS_MASK,
+    _magnitude_code_lut,
+    pack_codes,
     UNIFORM_BITS_SCALE,
 )
 
@@ -45,14 +48,23 @@ def _cpu_compiler_available() -> bool:
 
 
 def use_compiled(mode: str, device: torch.device) -> bool:
-    """Whether `mode` selects the compiled kernels for tensors on `device`."""
+    """Whether `mode` selects the compiled kernels for tensors on `device`.
+
+    CPU only: on GPUs the eager kernels draw their random bits chunk by chunk from a counter-based
+    generator, so a whole-tensor draw would not reproduce them (and Triton kernels are untested).
+    """
     if mode == "compiled":
+        if device.type != "cpu":
+            raise ValueError(
+                f"kernels='compiled' runs on CPU tensors only, got a {device.type} tensor; "
+                f"use kernels='auto' (eager there) or 'eager'")
         return True
     return mode == "auto" and device.type == "cpu" and _cpu_compiler_available()
 
 
 # The kernels see flat (blocks, block) tensors, detached (dynamo guards on requires_grad and on a
-# view's base), so a call has one dynamic size (the block count) and a new shape does not recompile. Nearest and
+# view's base), so a call has one dynamic size (the block count) and a new shape does not recompile
+# (except block counts 0 and 1, which dynamo specializes; empty tensors stay eager). Nearest and
 # stochastic rounding are separate functions so each stays well under dynamo's recompile limit
 # (one variant per input dtype and output dtype).
 def _block_amax_flat(x: torch.Tensor) -> torch.Tensor:
@@ -66,29 +78,72 @@ def _scaled_clamped(x: torch.Tensor, encode: torch.Tensor) -> tuple[torch.Tensor
     return v, exponent
 
 
-def _e2m1_values_nearest(x, encode, decode, out_dtype: torch.dtype) -> torch.Tensor:
-    """formats.round_e2m1_nearest_ of clamp(x * encode, -6, 6), times decode, in out_dtype."""
-    v, exponent = _scaled_clamped(x, encode)
+def _round_nearest(v: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """formats.round_e2m1_nearest_, functionally."""
     magic = (exponent + _MAGIC_OFFSET).view(torch.float32)
-    return (((v + magic) - magic) * decode).to(out_dtype)
+    return (v + magic) - magic
 
 
-def _e2m1_values_stochastic(x, encode, decode, random_bits, out_dtype: torch.dtype) -> torch.Tensor:
-    """formats.round_e2m1_stochastic_ (same ops, same order) with the given 24-bit draws."""
-    v, exponent = _scaled_clamped(x, encode)
+def _round_stochastic(v: torch.Tensor, exponent: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
+    """formats.round_e2m1_stochastic_ (same ops, same order) with the given 32-bit draws."""
     step = (exponent - _ONE_ULP_EXPONENT).view(torch.float32)
     scaled = v / step
     floor = torch.floor(scaled)
     # formats.draw_uniform_bits_'s mask, fused here; exact: < 2**24, times a power of two
     uniform = torch.bitwise_and(random_bits, UNIFORM_BITS_MASK).float() * UNIFORM_BITS_SCALE
-    rounded = (floor + torch.ceil((scaled - floor) - uniform)) * step
-    return (rounded * decode).to(out_dtype)
+    # abs: a -0 from ceil(0 - u) must not make -0 + -0 (formats.round_e2m1_stochastic_)
+    return (floor + torch.ceil((scaled - floor) - uniform).abs()) * step
+
+
+def _packed_codes(rounded: torch.Tensor, negative: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """formats.e2m1_codes_: (blocks, 16) grid values -> (blocks, 16) uint8 codes (packed outside:
+    inductor's stride-2 loads made the fused packing slower than a separate pass).
+
+    The eager path looks the code up in a table indexed by |bits| >> 22; on the 8 grid magnitudes
+    that index is 0 (0.0), 252 (0.5) and 254..259 (1, 1.5, 2, 3, 4, 6), i.e. codes 0, 1 and
+    index - 252, computed here without a gather (which inductor does not vectorize)."""
+    index = torch.bitwise_and(rounded.view(torch.int32), 0x7FFFFFFF) >> 22
+    magnitude = torch.where(index >= 254, index - 252, (index > 0).to(torch.int32))
+    return (magnitude + negative.to(torch.int32) * 8).to(torch.uint8)
+
+
+def _e2m1_values_nearest(x, encode, decode, out_dtype: torch.dtype) -> torch.Tensor:
+    """Nearest-even E2M1 of clamp(x * encode, -6, 6), times decode, in out_dtype."""
+    v, exponent = _scaled_clamped(x, encode)
+    return (_round_nearest(v, exponent) * decode).to(out_dtype)
+
+
+def _e2m1_values_stochastic(x, encode, decode, random_bits, out_dtype: torch.dtype) -> torch.Tensor:
+    """As _e2m1_values_nearest with stochastic rounding."""
+    v, exponent = _scaled_clamped(x, encode)
+    return (_round_stochastic(v, exponent, random_bits) * decode).to(out_dtype)
+
+
+def _e2m1_packed_nearest(x, encode, lut) -> torch.Tensor:
+    """Packed codes of nearest-even E2M1 of clamp(x * encode, -6, 6); sign from before rounding."""
+    v, exponent = _scaled_clamped(x, encode)
+    return _packed_codes(_round_nearest(v, exponent), v < 0, lut)
+
+
+def _e2m1_packed_stochastic(x, encode, random_bits, lut) -> torch.Tensor:
+    v, exponent = _scaled_clamped(x, encode)
+    return _packed_codes(_round_stochastic(v, exponent, random_bits), v < 0, lut)
+
+
+# What a failed compilation raises (dynamo/inductor errors, incl. a C++ toolchain failure, and the
+# recompile limit under fullgraph); anything else (an OOM, a bad argument) is the caller's error.
+_COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+    torch._inductor.exc.CppCompileError,
+)
 
 
 class Fused:
     """A kernel function and its torch.compile'd form. If compiling fails (no working C++
-    toolchain, an unsupported platform), "auto" warns once and runs the function eagerly, which
-    computes the same bits; "compiled" raises."""
+    toolchain, an unsupported platform, the recompile limit), "auto" warns once and from then on
+    runs the function eagerly, which computes the same bits; "compiled" (strict) always compiles
+    and raises."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -96,11 +151,11 @@ class Fused:
         self.failure: Exception | None = None
 
     def __call__(self, strict: bool, *args):
-        if self.failure is None:
+        if strict or self.failure is None:
             try:
                 with torch.no_grad():  # one grad mode for every caller: dynamo guards on it
                     return self.compiled(*args)
-            except Exception as error:  # inductor / dynamo build errors have no common base class
+            except _COMPILE_ERRORS as error:
                 if strict:
                     raise
                 self.failure = error
@@ -114,6 +169,8 @@ class Fused:
 _BLOCK_AMAX = Fused(_block_amax_flat)
 _VALUES_NEAREST = Fused(_e2m1_values_nearest)
 _VALUES_STOCHASTIC = Fused(_e2m1_values_stochastic)
+_PACKED_NEAREST = Fused(_e2m1_packed_nearest)
+_PACKED_STOCHASTIC = Fused(_e2m1_packed_stochastic)
 
 
 def block_amax(x2d: torch.Tensor, block: int, strict: bool = False) -> torch.Tensor:
@@ -147,3 +204,24 @@ def encode_values(
         values = _VALUES_NEAREST(strict, x, encode, decode, values_dtype)
     return values.view(rows, k)
 
+
+
+def encode_codes(
+    x2d: torch.Tensor,
+    block: int,
+    encode: torch.Tensor,
+    stochastic: bool,
+    generator: torch.Generator | None,
+    strict: bool = False,
+) -> torch.Tensor:
+    """The packed-codes output of formats.encode_e2m1_blocks ((rows, K // 2) uint8), fused."""
+    rows, k = x2d.shape
+    x = x2d.view(-1, block).detach()
+    encode = encode.reshape(-1, 1).detach()
+    lut = _magnitude_code_lut(x.device)
+    if stochastic:
+        random_bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=generator)
+        codes = _PACKED_STOCHASTIC(strict, x, encode, random_bits, lut)
+    else:
+        codes = _PACKED_NEAREST(strict, x, encode, lut)
+    return pack_codes(codes.view(rows, k), torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device))

@@ -43,11 +43,12 @@ def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> tor
     """a.values @ b.values^T (both (rows, reduction)) times both FP32 decode scales, in `out_dtype`.
 
     The GEMM's output (bf16 for "fast", FP32 for "exact") times the FP32 scale product is rounded
-    once to FP32 and then to out_dtype: a bf16 output multiplied in place by the 0-d FP32 scale
-    computes in FP32 and rounds once (tests/test_nvfp4_linear.py checks it), saving two casts.
+    once to FP32 and then to out_dtype. On CPU a bf16 output multiplied in place by the 0-d FP32
+    scale computes in FP32 and rounds once (tests/test_nvfp4_linear.py checks it), saving two
+    casts; CUDA kernels would round that scale to bf16 first, so there the output is cast up.
     """
     out = torch.mm(a.values, b.values.t())
-    if out.dtype != out_dtype and out.dtype != torch.float32:
+    if out.dtype != torch.float32 and (out.dtype != out_dtype or not out.is_cpu):
         out = out.float()
     if a.decode_scale is not None and b.decode_scale is not None:
         out.mul_(a.decode_scale * b.decode_scale)
@@ -218,8 +219,9 @@ def transpose_padded(t2d: torch.Tensor, multiple: int, hadamard: torch.Tensor | 
     tokens, cols = t2d.shape
     padded = -(-tokens // multiple) * multiple
     out = torch.empty(cols, padded, dtype=torch.float32, device=t2d.device)
-    # One strided copy is fast on GPUs; there blocks would only add kernel launches.
-    block = max(padded, 1) if t2d.is_cuda else TRANSPOSE_BLOCK_ROWS
+    # One strided copy is fast on GPUs; there blocks would only add kernel launches. Blocks are a
+    # multiple of `multiple` (so only the last one holds padding) and of 16 (the RHT's runs).
+    block = max(padded, 1) if t2d.is_cuda else -(-TRANSPOSE_BLOCK_ROWS // multiple) * multiple
     scratch = None
     for start in range(0, padded, block):
         stop = min(start + block, tokens)

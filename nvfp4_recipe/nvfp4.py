@@ -162,12 +162,14 @@ def quantize_nvfp4_core(
     The scaled values q * s are exact in bfloat16 (<= 6 significant bits, in [2**-10, 2688]), so a
     GEMM on them with FP32 accumulation times the two S_dec computes what FP4 tensor cores compute.
     Two passes over x: block amax, then scale / round / encode. kernels="compiled" (or "auto" where
-    available) runs both as fused kernels (nvfp4_recipe.kernels; values only: codes stay eager),
+    available) runs both as fused kernels (nvfp4_recipe.kernels) when one output is wanted,
     bit-identical to the eager ones.
     """
     rows, k = x2d.shape
     device = x2d.device
-    compiled = fused.use_compiled(kernels, device) and not want_codes and values_dtype is not None
+    # The fused kernels produce one output: codes (quantize_nvfp4) or values (the GEMM operands).
+    compiled = (fused.use_compiled(kernels, device) and want_codes != (values_dtype is not None)
+                and x2d.numel() > 0)
     strict = kernels == "compiled"
     vec_max = _block_amax(x2d, tile_rows, compiled, strict)
     if not vec_max.numel():
@@ -178,6 +180,9 @@ def quantize_nvfp4_core(
     else:
         amax, scale_e4m3, encode, s_dec = scales_of_blocks(vec_max)
     decode = scale_e4m3.float() if values_dtype is not None else None
+    if compiled and want_codes:
+        packed = fused.encode_codes(x2d, BLOCK, encode, stochastic, generator, strict)
+        return packed, scale_e4m3, amax, s_dec, None
     if compiled:
         values = fused.encode_values(x2d, BLOCK, encode, decode, stochastic, generator, values_dtype, strict)
         return None, scale_e4m3, amax, s_dec, values
@@ -193,6 +198,7 @@ def quantize_nvfp4(
     rounding: Rounding = "nearest",
     generator: torch.Generator | None = None,
     check_finite: bool = False,
+    kernels: str = "auto",
 ) -> NVFP4Tensor:
     """Quantize x (..., K), K a multiple of 16, to NVFP4 exactly as Transformer Engine does.
 
@@ -200,12 +206,14 @@ def quantize_nvfp4(
     tile=(16, 16): one per 16x16 tile (rows must be a multiple of 16), TE's 2-D weight scaling.
     rounding="stochastic" draws one uniform per element from `generator` (None: torch's global
     RNG, which the trainer checkpoints). check_finite=True rejects NaN/Inf with a ValueError.
+    kernels: "auto" (compiled on CPU when possible), "eager" or "compiled"; the same bits.
     """
+    fused.check_kernel_mode(kernels, "quantize_nvfp4")
     tile_rows = _check_tile(tile)
     stochastic = _check_rounding(rounding)
     x2d = _as_nvfp4_rows(x, tile_rows, check_finite)
     packed, scales, amax, _, _ = quantize_nvfp4_core(
-        x2d, tile_rows, stochastic, generator, want_codes=True, values_dtype=None
+        x2d, tile_rows, stochastic, generator, want_codes=True, values_dtype=None, kernels=kernels
     )
     return NVFP4Tensor(packed, scales, amax, x.shape, (tile_rows, BLOCK))
 

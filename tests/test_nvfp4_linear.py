@@ -209,7 +209,7 @@ def _heavy_tailed(rows, cols, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [16, 200, 300, 1000])  # one block, partial blocks, padding
+@pytest.mark.parametrize("tokens", [1, 16, 200, 300, 1000])  # one block, partial blocks, padding
 def test_blocked_transpose_and_fused_rht_equal_the_unfused_composition(dtype, tokens):
     # The Wgrad source is built block by block (transpose in cache, RHT on each block); it must be
     # bit-identical to pad(t^T) and to random_hadamard_transform(pad(t^T)) computed whole.
@@ -219,8 +219,21 @@ def test_blocked_transpose_and_fused_rht_equal_the_unfused_composition(dtype, to
     t = _heavy_tailed(tokens, 48, dtype)
     plain = _pad_t(t, 16)
     assert torch.equal(transpose_padded(t, 16), plain)
-    assert torch.equal(transpose_padded(t, 16, rht_matrix()), random_hadamard_transform(plain))
-    assert torch.equal(transpose_padded(t, 128), _pad_t(t, 128))  # FP8's 128-token blocks
+    fused = transpose_padded(t, 16, rht_matrix())
+    assert torch.equal(fused.view(torch.int32), random_hadamard_transform(plain).view(torch.int32))
+    for multiple in (32, 128, 256):  # MXFP4, FP8, and a block larger than the copy block
+        assert torch.equal(transpose_padded(t, multiple), _pad_t(t, multiple))
+
+
+def test_blocked_rht_equals_the_whole_tensor_rht_at_model_widths():
+    # The per-block GEMMs have far fewer rows than a whole-tensor one; the per-row sums must not
+    # depend on the row count. 1024 channels x 384 tokens, heavy-tailed, bf16 (the Wgrad input).
+    from nvfp4_recipe.hadamard import rht_matrix
+    from nvfp4_recipe.linear import transpose_padded
+
+    t = _heavy_tailed(384, 1024, torch.bfloat16, seed=3)
+    fused = transpose_padded(t, 16, rht_matrix())
+    assert torch.equal(fused.view(torch.int32), random_hadamard_transform(_pad_t(t, 16)).view(torch.int32))
 
 
 def test_fast_output_is_the_bf16_gemm_times_the_fp32_scales_rounded_once_more():
