@@ -1,6 +1,7 @@
 """Numerics benchmark: `python -m nvfp4_recipe.bench [--quick] [--json PATH]`.
 
-Quantize throughput of quantize_nvfp4 (1x16, 16x16, SR) against torchao's NVFP4Tensor.to_nvfp4
+Quantize throughput of quantize_nvfp4 (1x16, 16x16, SR; default kernels, and eager) against
+torchao's NVFP4Tensor.to_nvfp4
 and a plain vectorized reference (TE-reference style: one mask per E2M1 threshold, no chunking),
 and emulated nvfp4_linear forward+backward against bf16 F.linear (kernels "auto", i.e. compiled
 where inductor can build them, and "eager"). Prints Markdown tables of seconds and ratios; timings
@@ -49,6 +50,8 @@ def bench_quantize(size: int, repeats: int) -> list[dict[str, object]]:
         "nvfp4 1x16": lambda: quantize_nvfp4(x),
         "nvfp4 16x16": lambda: quantize_nvfp4(x, tile=(16, 16)),
         "nvfp4 1x16 SR": lambda: quantize_nvfp4(x, rounding="stochastic"),
+        "nvfp4 1x16 eager": lambda: quantize_nvfp4(x, kernels="eager"),
+        "nvfp4 1x16 SR eager": lambda: quantize_nvfp4(x, rounding="stochastic", kernels="eager"),
         "plain reference 1x16": lambda: plain_reference_quantize(x),
     }
     torchao_note = "torchao not installed"
