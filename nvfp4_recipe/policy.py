@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .kernels import KERNEL_MODES
+import torch
+
+from .kernels import KERNEL_MODES, use_compiled
 
 FORMATS = ("bf16", "nvfp4", "fp8", "mxfp4")
 BACKENDS = ("auto", "te", "emulated")
@@ -178,3 +180,11 @@ class RuntimePrecisionState:
     @property
     def backward_quantized(self) -> bool:
         return self.switched_passes != "all"
+
+
+def describe_kernels(cfg: PrecisionConfig, backend: str, device) -> str:
+    """How the emulation quantizes, for the start-up line ("" where nothing is emulated in NVFP4)."""
+    if backend != "emulated" or cfg.format != "nvfp4":
+        return ""
+    mode = "compiled" if use_compiled(cfg.kernels, torch.device(device)) else "eager"
+    return f"{mode} quantizers (precision.kernels={cfg.kernels})"

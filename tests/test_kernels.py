@@ -123,3 +123,14 @@ def test_compiled_codes_of_quantize_nvfp4_are_bit_identical_to_eager(dtype, roun
             assert torch.equal(eager.data, compiled.data), (name, tile)
             assert torch.equal(eager.scales.view(torch.uint8), compiled.scales.view(torch.uint8))
             assert torch.equal(eager.amax, compiled.amax)
+
+
+def test_start_up_line_says_which_quantizers_run():
+    from nvfp4_recipe.policy import describe_kernels
+
+    nvfp4 = PrecisionConfig(format="nvfp4", kernels="eager")
+    assert describe_kernels(nvfp4, "emulated", "cpu") == "eager quantizers (precision.kernels=eager)"
+    assert describe_kernels(nvfp4, "te", "cuda") == ""  # TE quantizes on Blackwell
+    assert describe_kernels(PrecisionConfig(format="bf16"), "emulated", "cpu") == ""
+    auto = describe_kernels(PrecisionConfig(format="nvfp4", kernels="auto"), "emulated", "cpu")
+    assert auto.startswith("compiled" if use_compiled("auto", torch.device("cpu")) else "eager")

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from data import MissingDataError, build_data, validate_config
 from model.build import build_model, choose_backend
 from model.compat import seed_model_parallel_rng
+from nvfp4_recipe.policy import describe_kernels
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
@@ -116,9 +117,11 @@ class Trainer:
         self.wandb_id: Optional[str] = None
         self.val_batches = self.data.validation_batches(tr.eval_batches)
         policy = self.built.policy
+        kernels = describe_kernels(cfg.precision, backend, ctx.device)
         log.info(f"precision {cfg.precision.name}: {backend} GEMMs ({reason})"
                  + (f"; first {policy.first} / last {policy.last} pattern layers in BF16"
-                    if cfg.precision.format != "bf16" else ""))
+                    if cfg.precision.format != "bf16" else "")
+                 + (f"; {kernels}" if kernels else ""))
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
                  f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step")
