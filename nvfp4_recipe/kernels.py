@@ -29,9 +29,8 @@ from nvfp4_recipe.formats import (
     _ONE_ULP_EXPONENT,
     E2M1_MAX,
     UNIFORM_BITS_MASK,
-    _magnitude_code_lut,
-    pack_codes,
     UNIFORM_BITS_SCALE,
+    pack_codes,
 )
 
 KERNEL_MODES = ("auto", "eager", "compiled")
@@ -95,9 +94,9 @@ def _round_stochastic(v: torch.Tensor, exponent: torch.Tensor, random_bits: torc
     return (floor + torch.ceil((scaled - floor) - uniform).abs()) * step
 
 
-def _packed_codes(rounded: torch.Tensor, negative: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """formats.e2m1_codes_: (blocks, 16) grid values -> (blocks, 16) uint8 codes (packed outside:
-    inductor's stride-2 loads made the fused packing slower than a separate pass).
+def _e2m1_codes(rounded: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """formats.e2m1_codes_: grid values -> uint8 codes 0..15 (packed afterwards by one eager pass:
+    inductor's stride-2 loads made packing inside the kernel slower).
 
     The eager path looks the code up in a table indexed by |bits| >> 22; on the 8 grid magnitudes
     that index is 0 (0.0), 252 (0.5) and 254..259 (1, 1.5, 2, 3, 4, 6), i.e. codes 0, 1 and
@@ -119,15 +118,15 @@ def _e2m1_values_stochastic(x, encode, decode, random_bits, out_dtype: torch.dty
     return (_round_stochastic(v, exponent, random_bits) * decode).to(out_dtype)
 
 
-def _e2m1_packed_nearest(x, encode, lut) -> torch.Tensor:
-    """Packed codes of nearest-even E2M1 of clamp(x * encode, -6, 6); sign from before rounding."""
+def _e2m1_codes_nearest(x, encode) -> torch.Tensor:
+    """Codes of nearest-even E2M1 of clamp(x * encode, -6, 6); the sign from before rounding."""
     v, exponent = _scaled_clamped(x, encode)
-    return _packed_codes(_round_nearest(v, exponent), v < 0, lut)
+    return _e2m1_codes(_round_nearest(v, exponent), v < 0)
 
 
-def _e2m1_packed_stochastic(x, encode, random_bits, lut) -> torch.Tensor:
+def _e2m1_codes_stochastic(x, encode, random_bits) -> torch.Tensor:
     v, exponent = _scaled_clamped(x, encode)
-    return _packed_codes(_round_stochastic(v, exponent, random_bits), v < 0, lut)
+    return _e2m1_codes(_round_stochastic(v, exponent, random_bits), v < 0)
 
 
 # What a failed compilation raises (dynamo/inductor errors, incl. a C++ toolchain failure, and the
@@ -169,14 +168,25 @@ class Fused:
 _BLOCK_AMAX = Fused(_block_amax_flat)
 _VALUES_NEAREST = Fused(_e2m1_values_nearest)
 _VALUES_STOCHASTIC = Fused(_e2m1_values_stochastic)
-_PACKED_NEAREST = Fused(_e2m1_packed_nearest)
-_PACKED_STOCHASTIC = Fused(_e2m1_packed_stochastic)
+_CODES_NEAREST = Fused(_e2m1_codes_nearest)
+_CODES_STOCHASTIC = Fused(_e2m1_codes_stochastic)
 
 
 def block_amax(x2d: torch.Tensor, block: int, strict: bool = False) -> torch.Tensor:
     """FP32 (rows, K // block) max |x| of each block along the last dim of contiguous x2d."""
     rows, k = x2d.shape
     return _BLOCK_AMAX(strict, x2d.view(-1, block).detach()).view(rows, k // block)
+
+
+def _flat_blocks(x2d: torch.Tensor, block: int, *per_block: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x2d as detached (blocks, block), and each per-block tensor as detached (blocks, 1)."""
+    return (x2d.view(-1, block).detach(), *(t.reshape(-1, 1).detach() for t in per_block))
+
+
+def _random_bits(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One 32-bit draw per element, row-major: the sequence the eager kernel draws chunk by chunk
+    (it masks them to 24 bits itself; the kernels here mask inside)."""
+    return torch.empty(like.shape, dtype=torch.int32, device=like.device).random_(generator=generator)
 
 
 def encode_values(
@@ -189,21 +199,13 @@ def encode_values(
     values_dtype: torch.dtype,
     strict: bool = False,
 ) -> torch.Tensor:
-    """The values output of formats.encode_e2m1_blocks (no codes), in one fused pass.
-
-    The random bits are drawn for the whole tensor in row-major order, the sequence the eager
-    kernel draws chunk by chunk, so both round every element with the same u.
-    """
-    rows, k = x2d.shape
-    x = x2d.view(-1, block).detach()
-    encode, decode = encode.reshape(-1, 1).detach(), decode.reshape(-1, 1).detach()
+    """The values output of formats.encode_e2m1_blocks ((rows, K) in values_dtype), fused."""
+    x, encode, decode = _flat_blocks(x2d, block, encode, decode)
     if stochastic:
-        random_bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=generator)
-        values = _VALUES_STOCHASTIC(strict, x, encode, decode, random_bits, values_dtype)
+        values = _VALUES_STOCHASTIC(strict, x, encode, decode, _random_bits(x, generator), values_dtype)
     else:
         values = _VALUES_NEAREST(strict, x, encode, decode, values_dtype)
-    return values.view(rows, k)
-
+    return values.view(x2d.shape)
 
 
 def encode_codes(
@@ -215,13 +217,10 @@ def encode_codes(
     strict: bool = False,
 ) -> torch.Tensor:
     """The packed-codes output of formats.encode_e2m1_blocks ((rows, K // 2) uint8), fused."""
-    rows, k = x2d.shape
-    x = x2d.view(-1, block).detach()
-    encode = encode.reshape(-1, 1).detach()
-    lut = _magnitude_code_lut(x.device)
+    x, encode = _flat_blocks(x2d, block, encode)
     if stochastic:
-        random_bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=generator)
-        codes = _PACKED_STOCHASTIC(strict, x, encode, random_bits, lut)
+        codes = _CODES_STOCHASTIC(strict, x, encode, _random_bits(x, generator))
     else:
-        codes = _PACKED_NEAREST(strict, x, encode, lut)
+        codes = _CODES_NEAREST(strict, x, encode)
+    rows, k = x2d.shape
     return pack_codes(codes.view(rows, k), torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device))

@@ -224,7 +224,7 @@ def nvfp4_scaled_values(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    kernels: str = "eager",
+    kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q * s in `dtype`, S_dec): the GEMM operand of an emulated NVFP4 GEMM, no code packing.
 
@@ -232,6 +232,7 @@ def nvfp4_scaled_values(
     bfloat16 and float32; the dequantized tensor is (q * s) * S_dec. `kernels` ("eager",
     "compiled", "auto") picks how the quantizer runs (nvfp4_recipe.kernels); the bits are the same.
     """
+    fused.check_kernel_mode(kernels, "nvfp4_scaled_values")
     x2d = _as_nvfp4_rows(x2d, tile_rows, check_finite=False)
     _, _, _, s_dec, values = quantize_nvfp4_core(
         x2d, tile_rows, stochastic, generator, want_codes=False, values_dtype=dtype, kernels=kernels
