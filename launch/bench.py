@@ -120,22 +120,9 @@ def _capability() -> tuple[int, int] | None:
 def te_status(fmt: str) -> tuple[bool, str]:
     """Whether the TE row of a format ("bf16", "fp8", "nvfp4") can run here, and why not."""
     from nvfp4_recipe.policy import PrecisionConfig
-    from nvfp4_recipe.te_mapping import te_supports
+    from nvfp4_recipe.te_mapping import probe_te_support
 
-    ok, why = te_supports(PrecisionConfig(name=fmt, format=fmt), _capability())
-    if not ok:
-        return False, why
-    try:
-        import transformer_engine.pytorch as te
-    except Exception as exc:
-        return False, f"transformer_engine not importable ({type(exc).__name__}: {exc})"[:200]
-    probe = {"fp8": "is_fp8_block_scaling_available", "nvfp4": "is_nvfp4_available"}.get(fmt)
-    if probe and hasattr(te, probe):
-        result = getattr(te, probe)()
-        available, reason = (result if isinstance(result, tuple) else (bool(result), ""))
-        if not available:
-            return False, f"TE {probe}(): {reason or 'False'}"
-    return True, ""
+    return probe_te_support(PrecisionConfig(name=fmt, format=fmt), _capability())
 
 
 def _te_recipe(fmt: str):
@@ -359,7 +346,7 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
     rows, seconds, paths, notes = [], {}, {}, {}
     for fmt in ("bf16", "nvfp4"):
         precision = PrecisionConfig(name=fmt, format=fmt)
-        backend, reason = choose_backend(precision)
+        backend, reason = choose_backend(precision, model_cfg.spec)
         path = {"te": f"TE ({'NVFP4BlockScaling' if fmt == 'nvfp4' else 'bf16'})",
                 "emulated": "emulated (nvfp4_recipe, fast)" if fmt == "nvfp4" else "torch bf16"}[backend]
         try:

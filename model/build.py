@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from megatron.core.activations import squared_relu
@@ -12,8 +10,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
+from nvfp4_recipe.te_runtime import te_layer_context
 
 from . import compat
+from .backend import SPEC_OF_BACKEND, choose_backend  # noqa: F401  (choose_backend: re-exported)
 from .config import ModelConfig
 from .specs import portable_layer_spec, te_layer_spec
 from .stack import HybridStack
@@ -35,7 +35,10 @@ def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int) -> i
 
 def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        initialize: bool = True, num_layers_in_first_stage=None,
-                       num_layers_in_last_stage=None) -> TransformerConfig:
+                       num_layers_in_last_stage=None,
+                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """megatron's config for the model. Training passes params_dtype=bf16 (BF16 weights and
+    activations; FP32 master weights live in the optimizer); float32 serves exact comparisons."""
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -56,7 +59,8 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
-        params_dtype=torch.float32,  # FP32 master weights; GEMMs choose their own precision
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,  # what megatron's Float16Module requires
         use_cpu_initialization=True,
         perform_initialization=initialize,
         tensor_model_parallel_size=tensor_parallel,
@@ -68,53 +72,37 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=params_dtype,  # what flows between pipeline stages
     )
-
-
-def choose_backend(precision: PrecisionConfig) -> tuple[str, str]:
-    """("te" | "emulated", reason). auto picks TE only where its FP4/FP8 GEMMs run natively."""
-    from nvfp4_recipe.te_mapping import te_supports
-
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    te_ok, why_not = te_supports(precision, capability)
-    if te_ok:
-        try:
-            import transformer_engine.pytorch  # noqa: F401  (importable = usable)
-        except ImportError as exc:
-            te_ok, why_not = False, f"transformer_engine not importable ({exc})"
-    if precision.backend == "te":
-        if not te_ok:
-            raise ValueError(f"precision.backend=te is not available here: {why_not}; "
-                             "use precision.backend=auto or emulated")
-        return "te", "requested"
-    if precision.backend == "emulated" or not te_ok:
-        return "emulated", why_not or "requested"
-    return "te", f"compute capability {capability[0]}.{capability[1]}"
 
 
 def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int,
                 tensor_parallel: int = 1, pipeline_parallel: int = 1, pre_process: bool = True,
                 post_process: bool = True, pg_collection=None, initialize: bool = True,
-                backend: str | None = None, **stage_kwargs) -> BuiltModel:
+                backend: str | None = None, params_dtype: torch.dtype = torch.float32,
+                **stage_kwargs) -> BuiltModel:
     """The megatron-core hybrid model with one layer spec per pattern layer."""
     cfg.validate()
     policy = PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
                              cfg.bf16_last_layers)
     if backend is None:
-        backend, _ = choose_backend(precision)
+        backend, _ = choose_backend(precision, cfg.spec)
+    if cfg.spec != "auto" and SPEC_OF_BACKEND[backend] != cfg.spec:
+        raise ValueError(f"model.spec={cfg.spec} but backend={backend} (the "
+                         f"{SPEC_OF_BACKEND[backend]} spec): pass the backend of "
+                         "choose_backend(precision, model.spec)")
     state = RuntimePrecisionState()
     decisions = policy.layers()
     if backend == "te":
         from nvfp4_recipe.te_mapping import build_te_recipe
 
         recipe = build_te_recipe(precision)
-        layer_specs = [te_layer_spec(d) for d in decisions]
-        contexts = [partial(compat.te_autocast, recipe) if d.low_precision else nullcontext
-                    for d in decisions]
+        layer_specs = [te_layer_spec(d, cfg) for d in decisions]
+        # Entered at every forward, so the runtime switch to BF16 reaches every layer.
+        contexts = [te_layer_context(d, state, recipe, compat.te_autocast) for d in decisions]
         spec_family = "te"
     else:
-        layer_specs = [portable_layer_spec(d, precision, state) for d in decisions]
+        layer_specs = [portable_layer_spec(d, precision, state, cfg) for d in decisions]
         contexts = None
         spec_family = "portable"
     stack_spec = ModuleSpec(
@@ -124,7 +112,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     )
     config = transformer_config(cfg, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, initialize=initialize,
-                                **stage_kwargs)
+                                params_dtype=params_dtype, **stage_kwargs)
     model_cls = compat.hybrid_model_class()
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     module = model_cls(

@@ -1,12 +1,17 @@
 """Every difference between megatron-core releases, and every CUDA assumption we work around.
 
 One module, each item named (see tests/test_compat.py, which fails if upstream changes):
-1. `hybrid_model_class`: `MambaModel` (<= 0.16, `hybrid_override_pattern`) became `HybridModel`
-   (>= 0.17, `hybrid_layer_pattern`, stack built with `layer_type_list`/`pp_layer_offset`).
-2. `base_stack_class`: the stack we extend (`ssm.mamba_block.MambaStack` ->
-   `models.hybrid.hybrid_block.HybridStack`); newer releases pass the stage's layer list and
-   offset to the stack, older ones let it slice the pattern itself (model/stack.py takes both).
-3. `te_autocast`: `te.fp8_autocast(fp8_recipe=...)` became `te.autocast(recipe=...)` (TE 2.x).
+1. `hybrid_model_class`: `MambaModel` (<= 0.17) became `HybridModel` (>= 0.18: first tagged in
+   core_v0.18.0, commit 15e07a2). `hybrid_override_pattern` became `hybrid_layer_pattern`, and
+   the stack gets `layer_type_list`/`pp_layer_offset`, already in 0.17 (core_v0.17.1
+   models/mamba/mamba_model.py:91-94, ssm/mamba_block.py:79-80).
+2. `base_stack_class`: the stack we extend (`ssm.mamba_block.MambaStack` (<= 0.17) ->
+   `models.hybrid.hybrid_block.HybridStack` (>= 0.18)); releases >= 0.17 pass the stage's layer
+   list and offset to the stack, older ones let it slice the pattern itself (model/stack.py
+   takes both).
+3. `te_autocast`: `te.autocast(recipe=...)` exists from TE 2.9 (v2.9 quantization.py:790); TE 2.8
+   has only `te.fp8_autocast(fp8_recipe=...)` (v2.8 fp8.py:646), kept in 2.9+ as a deprecated
+   wrapper.
 4. `seed_model_parallel_rng`: megatron's `model_parallel_cuda_manual_seed` reads the CUDA RNG
    (`random.py:235`, 0.16.1); on CPU we seed torch's RNG only (CPU initialisation draws full
    weights, identical on every TP rank, and dropout is 0).
@@ -27,22 +32,22 @@ import torch
 
 def hybrid_model_class():
     try:
-        from megatron.core.models.hybrid import HybridModel  # megatron-core >= 0.17
+        from megatron.core.models.hybrid import HybridModel  # megatron-core >= 0.18
 
         return HybridModel
     except ImportError:
-        from megatron.core.models.mamba import MambaModel  # megatron-core 0.16
+        from megatron.core.models.mamba import MambaModel  # megatron-core <= 0.17
 
         return MambaModel
 
 
 def base_stack_class():
     try:
-        from megatron.core.models.hybrid.hybrid_block import HybridStack  # >= 0.17
+        from megatron.core.models.hybrid.hybrid_block import HybridStack  # >= 0.18
 
         return HybridStack
     except ImportError:
-        from megatron.core.ssm.mamba_block import MambaStack  # 0.16
+        from megatron.core.ssm.mamba_block import MambaStack  # <= 0.17
 
         return MambaStack
 
@@ -59,9 +64,9 @@ def te_autocast(recipe):
     """Transformer Engine's low-precision autocast for one layer (GPU only)."""
     import transformer_engine.pytorch as te
 
-    if hasattr(te, "autocast"):
+    if hasattr(te, "autocast"):  # TE >= 2.9
         return te.autocast(enabled=True, recipe=recipe)
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # TE 2.8
 
 
 def seed_model_parallel_rng(seed: int) -> None:

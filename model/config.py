@@ -35,7 +35,9 @@ class ModelConfig:
     # for this depth (the paper: first 2 / last 8 at 12B). A precision recipe may override them.
     bf16_first_layers: int = 1
     bf16_last_layers: int = 2
-    # "auto": TE layers when Transformer Engine is importable on a GPU, else the portable spec.
+    # auto: the TE spec where TE runs the precision's recipe and mamba_ssm + causal_conv1d import,
+    # else the portable spec; portable: always (GEMMs emulated); te: the TE spec or a ValueError.
+    # Decided by model/backend.py.
     spec: str = "auto"
 
     def validate(self) -> None:

@@ -19,8 +19,10 @@ kernels at import time and its constructor raises without them. This one:
   checkpoints are interchangeable with megatron's mixer;
 * on CPU (or when the kernels are missing) runs a pure-PyTorch path: causal depthwise conv1d,
   the chunked SSD scan of :mod:`model.ssd` in float32, gated RMSNorm ``norm(y * silu(z))``;
-* on CUDA with ``mamba_ssm`` / ``causal_conv1d`` installed uses ``causal_conv1d_fn``,
-  ``mamba_chunk_scan_combined`` and mamba_ssm's gated ``rmsnorm_fn`` (imported lazily).
+* on CUDA uses each kernel that imports (lazily), independently: mamba_ssm's Triton SSD scan
+  ``mamba_chunk_scan_combined`` and gated ``rmsnorm_fn`` when ``mamba_ssm`` imports (it does
+  without ``causal_conv1d``: mamba v2.2.4 ``ops/triton/ssd_combined.py:21-25``), and
+  ``causal_conv1d_fn`` when ``causal_conv1d`` imports; the PyTorch path for the rest.
 
 Not supported: inference (``inference_context``), packed sequences, context parallelism > 1,
 ``D_has_hdim``, ``rmsnorm=False``, ``norm_before_gate=True``, biases in the projections.
@@ -51,7 +53,8 @@ from megatron.core.transformer.utils import (
 
 from model.ssd import ssd_chunk_scan
 
-__all__ = ["MambaMixer", "MambaMixerSubmodules", "GatedRMSNorm", "mamba_kernels_available"]
+__all__ = ["MambaMixer", "MambaMixerSubmodules", "GatedRMSNorm", "mamba_kernels",
+           "mamba_kernels_available"]
 
 
 @dataclass
@@ -67,30 +70,48 @@ class MambaMixerSubmodules:
 # GPU kernels (lazy)
 # --------------------------------------------------------------------------------------------
 
-_KERNELS = None  # cache: dict of callables, or False when unavailable
+_KERNELS = None  # cache: name -> callable, for each kernel that imports
+
+# Which package each kernel comes from (the import paths megatron's mixer uses too,
+# mc 0.16.1 ssm/mamba_mixer.py:52-71).
+KERNEL_PACKAGES = {
+    "causal_conv1d_fn": "causal_conv1d",
+    "mamba_chunk_scan_combined": "mamba_ssm",
+    "rmsnorm_fn": "mamba_ssm",
+}
 
 
-def _load_kernels():
+def _load_kernels() -> dict:
+    """Import each package's kernels on their own: a GPU with mamba_ssm but no causal_conv1d
+    still gets the Triton SSD scan and gated norm (and PyTorch's conv1d)."""
     global _KERNELS
     if _KERNELS is None:
+        _KERNELS = {}
         try:  # imported only here, never at module import time
             from causal_conv1d import causal_conv1d_fn
+
+            _KERNELS["causal_conv1d_fn"] = causal_conv1d_fn
+        except Exception:  # ImportError, or a broken CUDA build
+            pass
+        try:
             from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
-            _KERNELS = dict(
-                causal_conv1d_fn=causal_conv1d_fn,
-                mamba_chunk_scan_combined=mamba_chunk_scan_combined,
-                rmsnorm_fn=rmsnorm_fn,
-            )
-        except Exception:  # ImportError, or a broken CUDA build
-            _KERNELS = False
+            _KERNELS["mamba_chunk_scan_combined"] = mamba_chunk_scan_combined
+            _KERNELS["rmsnorm_fn"] = rmsnorm_fn
+        except Exception:
+            pass
     return _KERNELS
+
+
+def mamba_kernels() -> dict:
+    """The mamba_ssm / causal_conv1d kernels the mixer would use here (none without CUDA)."""
+    return dict(_load_kernels()) if torch.cuda.is_available() else {}
 
 
 def mamba_kernels_available() -> bool:
     """True when CUDA is available and mamba_ssm + causal_conv1d import."""
-    return torch.cuda.is_available() and bool(_load_kernels())
+    return len(mamba_kernels()) == len(KERNEL_PACKAGES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,6 +164,7 @@ class GatedRMSNorm(nn.Module):
         self.tp_group = tp_group
 
     def forward(self, y, z=None, use_kernels: bool = False):
+        """use_kernels: mamba_ssm's Triton ``rmsnorm_fn`` (it must have imported)."""
         if use_kernels:
             rmsnorm_fn = _load_kernels()["rmsnorm_fn"]
             return rmsnorm_fn(
@@ -235,9 +257,10 @@ class MambaMixer(MegatronModule):
     ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups``, ``mamba_num_heads`` (if None,
     ``nheads = expand * d_model // head_dim``).
 
-    Extra (not in megatron): ``use_kernels`` — None (default): use the mamba_ssm / causal_conv1d
-    kernels when the input is on CUDA and they import; False: always the PyTorch path; True: require
-    the kernels on CUDA inputs.
+    Extra (not in megatron): ``use_kernels`` — None (default): on CUDA inputs use each of the
+    mamba_ssm / causal_conv1d kernels that imports; False: always the PyTorch path; True: require
+    all of them on CUDA inputs. The gated norm's eps is ``config.layernorm_epsilon`` (megatron
+    hard-codes 1e-5: mc 0.16.1 ssm/mamba_mixer.py:357).
     """
 
     def __init__(
@@ -412,7 +435,7 @@ class MambaMixer(MegatronModule):
 
         self.norm = GatedRMSNorm(
             self.d_inner_local_tp,
-            eps=1e-5,
+            eps=config.layernorm_epsilon,
             group_size=self.d_inner_local_tp // self.ngroups_local_tp,
             norm_before_gate=False,
             device=device,
@@ -437,13 +460,15 @@ class MambaMixer(MegatronModule):
 
     # ---------------------------------------------------------------------------------------
 
-    def _want_kernels(self, t: torch.Tensor) -> bool:
+    def _kernels_for(self, t: torch.Tensor) -> dict:
+        """The kernels this call runs (name -> callable); the PyTorch path does the rest."""
         if self.use_kernels is False or not t.is_cuda:
-            return False
-        ok = bool(_load_kernels())
-        if self.use_kernels and not ok:
-            raise RuntimeError("use_kernels=True but mamba_ssm / causal_conv1d are not importable")
-        return ok
+            return {}
+        kernels = _load_kernels()
+        missing = sorted({pkg for name, pkg in KERNEL_PACKAGES.items() if name not in kernels})
+        if self.use_kernels and missing:
+            raise RuntimeError(f"use_kernels=True but {' and '.join(missing)} not importable")
+        return kernels
 
     def forward(
         self,
@@ -468,7 +493,7 @@ class MambaMixer(MegatronModule):
 
     def ssm(self, zxBCdt: torch.Tensor) -> torch.Tensor:
         """[s, b, in_proj_local] (local z, x, B, C, dt) -> gated, normed y [s, b, d_inner_local]."""
-        use_kernels = self._want_kernels(zxBCdt)
+        kernels = self._kernels_for(zxBCdt)
         s, b, _ = zxBCdt.shape
         dstate, ng, nh, hd = self.d_state, self.ngroups_local_tp, self.nheads_local_tp, self.headdim
         z, xBC, dt = torch.split(
@@ -478,8 +503,8 @@ class MambaMixer(MegatronModule):
         # Causal depthwise conv over (x, B, C) + SiLU.  [s, b, c] -> [b, c, s]
         xBC = xBC.permute(1, 2, 0)
         w = self.conv1d.weight  # [c, 1, k]
-        if use_kernels:
-            xBC = _load_kernels()["causal_conv1d_fn"](
+        if "causal_conv1d_fn" in kernels:
+            xBC = kernels["causal_conv1d_fn"](
                 x=xBC.contiguous(),
                 weight=w.squeeze(1),
                 bias=self.conv1d.bias,
@@ -503,8 +528,8 @@ class MambaMixer(MegatronModule):
         A_log = self.A_log if self.A_log.dtype == torch.float64 else self.A_log.float()
         A = -torch.exp(A_log)  # fp32 (fp64 if the module was cast to double)
 
-        if use_kernels:
-            y = _load_kernels()["mamba_chunk_scan_combined"](
+        if "mamba_chunk_scan_combined" in kernels:
+            y = kernels["mamba_chunk_scan_combined"](
                 x.contiguous(),
                 dt.contiguous(),
                 A,
@@ -530,7 +555,7 @@ class MambaMixer(MegatronModule):
             )
 
         y = y.reshape(b, s, self.d_inner_local_tp).transpose(0, 1)  # [s, b, d_inner_local]
-        y = self.norm(y.contiguous(), z.contiguous(), use_kernels=use_kernels)
+        y = self.norm(y.contiguous(), z.contiguous(), use_kernels="rmsnorm_fn" in kernels)
         return y
 
     # ---------------------------------------------------------------------------------------

@@ -432,7 +432,7 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
     }
 
     try:
-        backend, reason = choose_backend(cfg.precision)
+        backend, reason = choose_backend(cfg.precision, cfg.model.spec)
     except ValueError as exc:  # backend=te requested on a machine without it: plan anyway
         backend, reason = "te", f"requested; not available on this machine ({exc})"
 

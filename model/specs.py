@@ -9,6 +9,8 @@ Two families, as megatron-core's own specs:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
@@ -27,6 +29,7 @@ from nvfp4_recipe.parallel_linear import (
 from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisionState
 
 from .attention import SDPACoreAttention
+from .config import ModelConfig
 from .mamba_mixer import MambaMixer, MambaMixerSubmodules
 
 # The linears of each layer kind, by their megatron module names (plan.json uses these).
@@ -49,17 +52,33 @@ def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: Run
     )
 
 
+class TorchNormWithConfigEps(WrappedTorchNorm):
+    """megatron's torch norm with eps = config.layernorm_epsilon unless the caller passes one.
+
+    MambaLayer builds its pre-norm from (config, hidden_size) alone, so it gets 1e-5 whatever the
+    config says: through build_module in mc 0.16.1 (ssm/mamba_layer.py:85), by calling
+    `submodules.norm(config, hidden_size)` in core_v0.17.1 / core_v0.18.0 (ssm/mamba_layer.py:91 /
+    :98). A ModuleSpec param would not survive the latter; a class works with both.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float | None = None, **kwargs):
+        eps = config.layernorm_epsilon if eps is None else eps
+        return WrappedTorchNorm.__new__(cls, config, hidden_size, eps=eps, **kwargs)
+
+
 def portable_layer_spec(
-    decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState
+    decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState,
+    model: ModelConfig,
 ) -> ModuleSpec:
     column, row = _portable_linears(decision, cfg, state)
     if decision.kind == "mamba":
         return ModuleSpec(
             module=MambaLayer,
             submodules=MambaLayerSubmodules(
-                norm=WrappedTorchNorm,
+                norm=TorchNormWithConfigEps,
                 mixer=ModuleSpec(
                     module=MambaMixer,
+                    params={"chunk_size": model.mamba_chunk_size},
                     submodules=MambaMixerSubmodules(in_proj=column, out_proj=row),
                 ),
                 mamba_bda=get_bias_dropout_add,
@@ -94,10 +113,22 @@ def portable_layer_spec(
     raise ValueError(f"unknown layer kind {decision.kind!r}")
 
 
-def te_layer_spec(decision: LayerPrecision) -> ModuleSpec:
-    """Megatron's TE hybrid layer (GPU with TE and mamba_ssm); precision comes from autocast."""
+def te_layer_spec(decision: LayerPrecision, model: ModelConfig) -> ModuleSpec:
+    """Megatron's TE hybrid layer (GPU with TE and mamba_ssm); precision comes from autocast.
+
+    Mamba layers get our chunk size and a mixer whose gated norm takes config.layernorm_epsilon.
+    Their pre-norm is fused into in_proj (TELayerNormColumnParallelLinear), which already reads
+    config.layernorm_epsilon (mc 0.16.1 extensions/transformer_engine.py:826).
+    """
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
+    from .te_mamba_mixer import MambaMixerWithConfigEps
+
     stack = mamba_stack_spec.submodules
-    return {"mamba": stack.mamba_layer, "attention": stack.attention_layer,
-            "mlp": stack.mlp_layer}[decision.kind]
+    if decision.kind == "mamba":
+        layer = stack.mamba_layer
+        mixer = replace(layer.submodules.mixer, module=MambaMixerWithConfigEps,
+                        params={**layer.submodules.mixer.params,
+                                "chunk_size": model.mamba_chunk_size})
+        return replace(layer, submodules=replace(layer.submodules, mixer=mixer))
+    return {"attention": stack.attention_layer, "mlp": stack.mlp_layer}[decision.kind]

@@ -67,3 +67,19 @@ def test_cpu_dist_checkpoint_patch_is_scoped():
             assert torch.cuda.current_device() == "cpu"
             assert torch.cuda.synchronize() is None
     assert (torch.cuda.synchronize, torch.cuda.current_device) == before
+
+
+@pytest.mark.parametrize("release,expected", [("2.8", "fp8_autocast"), ("2.9", "autocast")])
+def test_te_autocast_by_te_release(monkeypatch, release, expected):
+    """compat item 3: TE 2.8 has only fp8_autocast(fp8_recipe=) (v2.8 fp8.py:646); 2.9 adds
+    autocast(recipe=) (v2.9 quantization.py:790). TE is faked: it is absent on CPU."""
+    import sys
+    import types
+
+    te = types.ModuleType("transformer_engine.pytorch")
+    te.fp8_autocast = lambda enabled, fp8_recipe: ("fp8_autocast", fp8_recipe)
+    if release == "2.9":
+        te.autocast = lambda enabled, recipe: ("autocast", recipe)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    assert compat.te_autocast("RECIPE") == (expected, "RECIPE")

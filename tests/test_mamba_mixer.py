@@ -557,12 +557,85 @@ def test_kernel_path_plumbing_with_fake_kernels(megatron_single_process, monkeyp
     m = _mixer(_config(**TINY), chunk_size=16)
     h = torch.randn(37, 2, 64)
     ref, _ = m(h)
-    monkeypatch.setattr(mm, "_KERNELS", dict(
-        causal_conv1d_fn=causal_conv1d_fn,
-        mamba_chunk_scan_combined=mamba_chunk_scan_combined,
-        rmsnorm_fn=rmsnorm_fn,
-    ))
-    monkeypatch.setattr(mm.MambaMixer, "_want_kernels", lambda self, t: True)
-    out, _ = m(h)
-    assert calls == ["conv", "scan", "norm"]
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    kernels = dict(causal_conv1d_fn=causal_conv1d_fn,
+                   mamba_chunk_scan_combined=mamba_chunk_scan_combined, rmsnorm_fn=rmsnorm_fn)
+    monkeypatch.setattr(mm, "_KERNELS", kernels)
+    # Each subset a machine can have: mamba_ssm without causal_conv1d, causal_conv1d alone, both.
+    for present, expected in ((("mamba_chunk_scan_combined", "rmsnorm_fn"), ["scan", "norm"]),
+                              (("causal_conv1d_fn",), ["conv"]),
+                              (tuple(kernels), ["conv", "scan", "norm"])):
+        calls.clear()
+        subset = {name: kernels[name] for name in present}
+        monkeypatch.setattr(mm.MambaMixer, "_kernels_for", lambda self, t, _k=subset: _k)
+        out, _ = m(h)
+        assert calls == expected, present
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def _fake_module(name, **attrs):
+    import types
+
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+def test_kernels_import_per_package(monkeypatch):
+    """mamba_ssm's scan and norm load without causal_conv1d, and causal_conv1d without mamba_ssm
+    (issue 12, F: they used to load only together)."""
+    import sys
+
+    import model.mamba_mixer as mm
+
+    def scan(*a, **k):
+        pass
+
+    def norm(*a, **k):
+        pass
+
+    def conv(*a, **k):
+        pass
+
+    mamba_ssm = {"mamba_ssm": _fake_module("mamba_ssm"),
+                 "mamba_ssm.ops": _fake_module("mamba_ssm.ops"),
+                 "mamba_ssm.ops.triton": _fake_module("mamba_ssm.ops.triton"),
+                 "mamba_ssm.ops.triton.ssd_combined": _fake_module(
+                     "mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=scan),
+                 "mamba_ssm.ops.triton.layernorm_gated": _fake_module(
+                     "mamba_ssm.ops.triton.layernorm_gated", rmsnorm_fn=norm)}
+    for name, module in mamba_ssm.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # import raises
+    monkeypatch.setattr(mm, "_KERNELS", None)
+    assert mm._load_kernels() == {"mamba_chunk_scan_combined": scan, "rmsnorm_fn": norm}
+
+    for name in mamba_ssm:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "causal_conv1d", _fake_module("causal_conv1d",
+                                                                   causal_conv1d_fn=conv))
+    monkeypatch.setattr(mm, "_KERNELS", None)
+    assert mm._load_kernels() == {"causal_conv1d_fn": conv}
+
+
+def test_use_kernels_true_names_the_missing_package(megatron_single_process, monkeypatch):
+    import types
+
+    import model.mamba_mixer as mm
+
+    monkeypatch.setattr(mm, "_KERNELS", {"mamba_chunk_scan_combined": None, "rmsnorm_fn": None})
+    cuda_input = types.SimpleNamespace(is_cuda=True)
+    with pytest.raises(RuntimeError, match="use_kernels=True but causal_conv1d not importable"):
+        _mixer(_config(**TINY), use_kernels=True)._kernels_for(cuda_input)
+    assert set(_mixer(_config(**TINY))._kernels_for(cuda_input)) == {
+        "mamba_chunk_scan_combined", "rmsnorm_fn"}
+    assert _mixer(_config(**TINY))._kernels_for(torch.zeros(1)) == {}  # CPU: PyTorch path
+
+
+def test_gated_norm_eps_is_the_configs_layernorm_epsilon(megatron_single_process):
+    """megatron hard-codes 1e-5 (mc 0.16.1 ssm/mamba_mixer.py:357); ours follows the config."""
+    from model.mamba_mixer import gated_rmsnorm
+
+    m = _mixer(_config(**TINY, layernorm_epsilon=1e-3))
+    assert m.norm.eps == 1e-3
+    y, z = torch.randn(5, 2, 128), torch.randn(5, 2, 128)  # d_inner 128 in 2 groups of 64
+    torch.testing.assert_close(m.norm(y, z), gated_rmsnorm(y, z, m.norm.weight, 1e-3, 64))

@@ -3,7 +3,7 @@
 import pytest
 
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, SwitchToBF16Config
-from nvfp4_recipe.te_mapping import te_recipe_spec, te_supports
+from nvfp4_recipe.te_mapping import probe_te_support, te_recipe_rule, te_recipe_spec, te_supports
 
 PATTERN_12B = "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-"
 KINDS_12B = [{"M": "mamba", "*": "attention", "-": "mlp"}[c] for c in PATTERN_12B]
@@ -78,8 +78,114 @@ def test_te_mapping_of_other_formats():
 
 
 def test_te_support_names_the_missing_capability():
-    ok, why = te_supports(nvfp4(), (9, 0))
+    ok, why = te_supports(nvfp4(), (9, 0), "12.9", "2.9.0")
     assert not ok and why == "NVFP4 TE GEMMs need compute capability 10.x, found 9.0"
-    assert te_supports(nvfp4(), (10, 0)) == (True, "")
-    assert te_supports(nvfp4(), None)[0] is False
-    assert te_supports(PrecisionConfig(format="fp8"), (9, 0))[0] is True
+    assert te_supports(nvfp4(), (10, 0), "12.9", "2.9.0") == (True, "")
+    assert te_supports(nvfp4(), None, None, "2.9.0") == (False, "no CUDA device")
+    assert te_supports(PrecisionConfig(format="fp8"), (9, 0), "12.9", "2.9.0") == (True, "")
+    assert te_supports(PrecisionConfig(format="mxfp4"), (10, 0), "12.9", "2.9.0")[0] is False
+
+
+# TE's own rules (issue 12, E): v2.8 fp8.py:57-72, v2.9 quantization.py:71-86,
+# v2.18 quantization.py:171-185.
+@pytest.mark.parametrize(
+    "capability,cuda,te,expected",
+    [((9, 0), "12.8", "2.9.0", "FP8 block scaling needs CUDA 12.9 or newer, found 12.8"),
+     ((9, 0), None, "2.9.0", "FP8 block scaling needs CUDA 12.9 or newer, found None"),
+     ((9, 0), "12.9", "2.9.0", ""),
+     ((9, 0), "13.0", "2.8.0", ""),
+     ((8, 9), "12.9", "2.9.0",
+      "FP8 block scaling needs compute capability 9.0 or newer, found 8.9"),
+     ((10, 0), "12.9", "2.8.0+cu129", "transformer_engine 2.8.0+cu129 runs FP8 block scaling on "
+                                      "compute capability 9.x only (10.x from TE 2.9), found 10.0"),
+     ((10, 0), "12.9", "2.9.0", ""),
+     ((10, 3), "13.0", "2.18.0", ""),
+     ((9, 0), "12.9", "2.2.1", "Float8BlockScaling needs transformer_engine >= 2.3, found 2.2.1")],
+)
+def test_fp8_block_scaling_rule_by_cuda_capability_and_te(capability, cuda, te, expected):
+    ok, why = te_supports(PrecisionConfig(format="fp8"), capability, cuda, te)
+    assert (ok, why) == (expected == "", expected)
+
+
+@pytest.mark.parametrize(
+    "capability,te,expected",
+    [((10, 0), "2.7.0", "NVFP4BlockScaling needs transformer_engine >= 2.8, found 2.7.0"),
+     ((10, 0), "2.8.0", ""), ((10, 3), "2.10.0.dev0+abc", ""),
+     ((9, 0), "2.9.0", "TE NVFP4 needs compute capability 10.0 or newer, found 9.0"),
+     ((10, 0), "unknown", "unknown transformer_engine version 'unknown'")],
+)
+def test_nvfp4_rule_by_te_release(capability, te, expected):
+    ok, why = te_recipe_rule("nvfp4", capability, "12.9", te)
+    assert (ok, why) == (expected == "", expected)
+
+
+# -- probe_te_support: asks the installed TE (faked here; TE is not installed on CPU) -----------
+
+def _fake_te(monkeypatch, version: str, manager=None, *, where: str = "quantization"):
+    """Install a fake transformer_engine whose FP8GlobalStateManager lives in `where`
+    ("quantization": TE >= 2.9, "fp8": TE 2.8)."""
+    import sys
+    import types
+
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = version
+    modules = {"transformer_engine": te,
+               "transformer_engine.pytorch": types.ModuleType("transformer_engine.pytorch"),
+               "transformer_engine.pytorch.quantization": None,
+               "transformer_engine.pytorch.fp8": None}
+    holder = types.ModuleType(f"transformer_engine.pytorch.{where}")
+    holder.FP8GlobalStateManager = manager or type("FP8GlobalStateManager", (), {})
+    modules[f"transformer_engine.pytorch.{where}"] = holder
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)  # None: that import raises ImportError
+
+
+def _manager(**checks):
+    return type("FP8GlobalStateManager", (), {
+        name: classmethod(lambda cls, _answer=answer: _answer) for name, answer in checks.items()})
+
+
+@pytest.mark.parametrize("where,version", [("quantization", "2.9.0"), ("fp8", "2.8.0")])
+def test_probe_takes_tes_own_verdict(monkeypatch, where, version):
+    """TE's FP8GlobalStateManager answers first, where 2.8 (fp8.py) or 2.9+ (quantization.py)
+    keeps it, even where our version rule would say yes."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    reason = "FP8 block scaled GEMM requires Hopper and CUDA >= 12.9."
+    _fake_te(monkeypatch, version, _manager(is_fp8_block_scaling_available=(False, reason),
+                                            is_nvfp4_available=(True, "")), where=where)
+    assert probe_te_support(PrecisionConfig(format="fp8"), (9, 0)) == (
+        False, f"transformer_engine: {reason}")
+    assert probe_te_support(nvfp4(), (10, 0)) == (True, "")
+
+
+def test_probe_falls_back_to_the_version_rule(monkeypatch):
+    """A TE without the check (no FP8GlobalStateManager method): our restatement of its rule."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    _fake_te(monkeypatch, "2.9.0")
+    assert probe_te_support(PrecisionConfig(format="fp8"), (9, 0)) == (
+        False, "FP8 block scaling needs CUDA 12.9 or newer, found 12.4")
+
+
+def test_probe_keeps_the_project_rule_before_asking_te(monkeypatch):
+    _fake_te(monkeypatch, "2.9.0", _manager(is_nvfp4_available=(True, "")))
+    assert probe_te_support(nvfp4(), (12, 0)) == (
+        False, "NVFP4 TE GEMMs need compute capability 10.x, found 12.0")
+
+
+def test_probe_turns_a_missing_or_broken_te_into_a_reason(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    ok, why = probe_te_support(PrecisionConfig(format="fp8"), (9, 0))
+    assert not ok and why.startswith("transformer_engine not usable (ModuleNotFoundError")
+
+    def broken(cls):
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    _fake_te(monkeypatch, "2.9.0", type("M", (), {"is_nvfp4_available": classmethod(broken)}))
+    assert probe_te_support(nvfp4(), (10, 0)) == (
+        False, "transformer_engine not usable (RuntimeError: CUDA driver version is insufficient)")

@@ -1,9 +1,11 @@
 """Atomic checkpoints in run.dir/checkpoints/step_XXXXXXX, verified on load.
 
 Layout of one checkpoint:
-  dist/                  model + AdamW state, megatron-core distributed checkpoint (torch_dist):
-                         every tensor keyed by its global shape and offset, so it loads into any
-                         tensor/pipeline layout (resharding)
+  dist/                  BF16 model weights + FP32 master weights and Adam moments, a megatron-core
+                         distributed checkpoint (torch_dist): every tensor keyed by its global
+                         shape and offset, the optimizer's by its parameter's (megatron's
+                         'fully_reshardable' layout), so it loads into any tensor/pipeline/data
+                         layout, with or without the distributed optimizer
   rng_rank{r}.pt         each rank's RNG state (stochastic rounding draws from it)
   trainer.pt             step, scheduler, data-loader state, W&B id, counters (rank 0)
   manifest.json          every file's size and SHA-256 and the layout; written last
@@ -55,25 +57,25 @@ def _broadcast_str(value: str, ctx: ParallelContext) -> str:
     return box[0]
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Model and AdamW state as megatron ShardedTensors (the optimizer's keyed like its params)."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
+# megatron's distributed optimizer: the format that reshards over data parallel as well
+# (`distrib_optimizer.py:1175-1293`, core 0.16.1); the CPU twin writes the same layout.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
+
+def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
+    """Model and optimizer state as megatron ShardedTensors (the optimizer's keyed like its params).
+
+    `model` is the unwrapped megatron model: megatron's DDP would prefix every key with
+    "module." (as Megatron-LM, which unwraps first), and keys must not depend on the device.
+    """
     model_state = model.sharded_state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    optim_state = optimizer.state_dict()
-    # AdamW's per-parameter `step` equals the number of optimizer steps: kept in trainer.pt.
-    optim_state_to_sharding_state(
-        optim_state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",)
-    )
+    optim_state = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                               metadata=OPTIMIZER_METADATA)
     return {"model": model_state, "optimizer": optim_state}
 
 
 def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, trainer_state: dict,
+                    optimizer, trainer_state: dict,
                     keep_last: int) -> Path:
     from megatron.core import dist_checkpointing
 
@@ -87,7 +89,8 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
         (tmp / "dist").mkdir(parents=True)
     barrier()
     with cpu_dist_checkpoint_save():
-        dist_checkpointing.save(_sharded_state(model, optimizer), str(tmp / "dist"))
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
+                                str(tmp / "dist"))
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                tmp / f"rng_rank{ctx.rank}.pt")
@@ -161,33 +164,22 @@ def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
 
 
 def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model and optimizer in place (any TP/PP layout); return trainer state and RNG."""
+                    optimizer) -> dict[str, Any]:
+    """Load model and optimizer in place (any TP/PP/DP layout); return trainer state and RNG.
+
+    `model` is the unwrapped megatron model whose parameters the optimizer was built on.
+    """
     from megatron.core import dist_checkpointing
 
     trainer = torch.load(path / "trainer.pt", weights_only=True)
-    # The loader fills existing tensors: give AdamW zero state to be overwritten.
-    optimizer_steps = trainer["step"] - trainer["skipped_steps"]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.state[p] = {"step": torch.tensor(float(optimizer_steps)),
-                                  "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer), str(path / "dist"))
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
+                                     str(path / "dist"))
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
     if real_missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit this model: missing {real_missing}, "
                          f"unexpected {unexpected}")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index, entry in loaded["optimizer"]["state"].items():
-        state[index] = {**entry, "step": torch.tensor(float(optimizer_steps))}
-    groups = loaded["optimizer"]["param_groups"]
-    for group, current in zip(groups, optimizer.state_dict()["param_groups"]):
-        group["params"] = current["params"]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    assert len(state) == len(params)
+    optimizer.load_state_dict(loaded["optimizer"])
     manifest = json.loads((path / MANIFEST).read_text())
     same_layout = manifest["world_size"] == ctx.world_size and (
         manifest["tensor"], manifest["pipeline"]) == (ctx.tensor, ctx.pipeline)

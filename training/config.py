@@ -69,6 +69,9 @@ class TrainerConfig:
     keep_last: int = 3
     # What a NaN/Inf loss does: "stop" (exit code 4, no checkpoint) or "skip" the step.
     on_nan: str = "stop"
+    # Shard the FP32 master weights and Adam moments over the data-parallel ranks (megatron's
+    # distributed optimizer): optimizer memory per rank / data-parallel size.
+    distributed_optimizer: bool = False
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""AdamW on FP32 master weights and the warmup-stable-decay schedule."""
+"""The warmup-stable-decay schedule, and plain AdamW for the memory planner's FP32 measurement.
+
+Training builds its optimizer in `training.mixed_precision` (FP32 master weights of BF16 models).
+"""
 
 from __future__ import annotations
 
@@ -20,8 +23,38 @@ def wsd_lr_factor(step: int, cfg: TrainerConfig) -> float:
     return 1.0 - (1.0 - floor) * progress
 
 
+class WSDScheduler:
+    """Sets each param group's `lr` and `weight_decay` as megatron's OptimizerParamScheduler does
+    (`optimizer_param_scheduler.py:292-294`, core 0.16.1): lr x the group's `lr_mult`, weight
+    decay x its `wd_mult` (0 for biases and 1-D parameters; megatron's optimizer leaves the
+    decay of such groups to the scheduler). step() after each optimizer step."""
+
+    def __init__(self, optimizer, cfg: TrainerConfig):
+        self.optimizer, self.cfg = optimizer, cfg
+        self.last_step = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = wsd_lr_factor(self.last_step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * factor * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step = int(state["last_step"])
+        self._apply()
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig):
-    """AdamW with no weight decay on norms, biases and the 1-D Mamba parameters."""
+    """Plain AdamW over the model's own parameters (the planner's FP32 measurement), no weight
+    decay on norms, biases and the 1-D Mamba parameters."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:

@@ -1,15 +1,21 @@
-"""Forward and backward over the micro-batches of one step, with or without pipeline stages.
+"""Forward and backward over the micro-batches of one step, through megatron's loss contract.
 
-With one stage this is plain gradient accumulation. With several, the portable schedule is
-GPipe-style (every forward, then every backward), passing activations and their gradients
-between neighbouring stages with torch.distributed send/recv over megatron-core's pipeline
-group. megatron-core's own schedules allocate their buffers and counters on CUDA
-(`schedules.py:596`, `p2p_communication.py:190`, 0.16.1), so on GPUs we hand the step to
-`get_forward_backward_func()` (1F1B) and keep this schedule as its CPU twin.
+Every path hands its loss to megatron-core's `forward_step_calc_loss`, the function its schedules
+use (`pipeline_parallel/schedules.py:218-270`, 0.16.1): our loss function returns the 3-tuple
+(sum of token losses, number of tokens, report), and megatron divides by the tokens and by the
+number of micro-batches — once. Then `config.finalize_model_grads_func` (megatron's
+`finalize_model_grads`: the data-parallel gradient sync) runs, as at the end of its schedules.
+
+- On CUDA the whole step is megatron's schedule (`get_forward_backward_func()`: no pipelining,
+  or 1F1B across stages).
+- On CPU those schedules allocate on CUDA (`schedules.py:596`, `p2p_communication.py:190`), so
+  their twins run here: plain accumulation over micro-batches, and with several stages a GPipe
+  order (every forward, then every backward) with send/recv over megatron's pipeline group.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -17,54 +23,109 @@ import torch.distributed as dist
 
 from .distributed import ParallelContext
 
-LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
+REPORT_KEY = "lm loss"
 
 
-def _pipeline_neighbours() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """megatron's 3-tuple loss contract (as `pretrain_mamba.py`'s): (loss sum, tokens, report)."""
+    mask = loss_mask.reshape(-1).float()
+    total = (per_token_loss.reshape(-1).float() * mask).sum()
+    tokens = mask.sum().to(torch.int)
+    return total, tokens, {REPORT_KEY: torch.stack([total.detach(), mask.sum()])}
 
-    return (ps.get_pipeline_model_parallel_prev_rank(),
-            ps.get_pipeline_model_parallel_next_rank())
+
+def make_forward_step(ctx: ParallelContext) -> Callable:
+    """megatron's `forward_step_func(data_iterator, model) -> (output, loss_func)`."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(ctx.device)
+        if ctx.last_stage:
+            output = model(tokens, None, None, labels=batch["labels"].to(ctx.device))
+        else:
+            output = model(tokens, None, None)
+        return output, partial(loss_func, batch["loss_mask"].to(ctx.device))
+
+    return forward_step
+
+
+def mean_micro_batch_loss(reports: list[dict], n: int, device) -> torch.Tensor:
+    """The mean over micro-batches of each one's mean token loss: what the gradient is of."""
+    total = torch.zeros((), device=device)
+    for report in reports:
+        loss_sum, tokens = report[REPORT_KEY]
+        total += loss_sum / tokens.clamp(min=1)
+    return total / n
 
 
 def run_micro_batches(model: torch.nn.Module, micro_batches: list[dict], ctx: ParallelContext,
-                      loss_fn: LossFn, activation_shape: tuple[int, ...],
-                      forward_only: bool = False) -> torch.Tensor:
-    """Sum over micro-batches of loss / len(micro_batches), the same value on every stage."""
+                      activation_shape: tuple[int, ...], forward_only: bool = False) -> torch.Tensor:
+    """One step's forward (and backward) with gradients synced; the loss on every stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
     n = len(micro_batches)
-    if ctx.pipeline == 1:
-        total = torch.zeros((), device=ctx.device)
-        for batch in micro_batches:
-            loss = loss_fn(model, batch) / n
-            if not forward_only:
-                loss.backward()
-            total += loss.detach()
-        return total
+    forward_step = make_forward_step(ctx)
     if ctx.device.type == "cuda":
-        return _megatron_1f1b(model, micro_batches, ctx, loss_fn, activation_shape, forward_only)
-    return _gpipe(model, micro_batches, ctx, loss_fn, activation_shape, forward_only)
+        reports = _megatron_schedule(model, micro_batches, forward_step, activation_shape,
+                                     forward_only)
+    elif ctx.pipeline == 1:
+        reports = _accumulate(model, micro_batches, forward_step, config, forward_only)
+    else:
+        reports = _gpipe(model, micro_batches, ctx, forward_step, config, activation_shape,
+                         forward_only)
+    if not forward_only and ctx.device.type != "cuda" and config.finalize_model_grads_func:
+        config.finalize_model_grads_func([model])  # megatron's schedules end with this
+    total = mean_micro_batch_loss(reports, n, ctx.device) if ctx.last_stage else (
+        torch.zeros((), device=ctx.device))
+    if ctx.pipeline > 1:  # only the last stage computed the loss
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return total
 
 
-def _gpipe(model, micro_batches, ctx, loss_fn, shape, forward_only) -> torch.Tensor:
+def _calc_loss(model, output, loss_fn, config, n, reports):
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+
+    loss, _tokens = forward_step_calc_loss(model, output, loss_fn, config, None, False, n,
+                                           reports, cp_group_size=1, is_last_stage=True)
+    return loss
+
+
+def _accumulate(model, micro_batches, forward_step, config, forward_only) -> list[dict]:
+    """Twin of megatron's `forward_backward_no_pipelining`."""
+    reports: list[dict] = []
+    batches = iter(micro_batches)
+    for _ in micro_batches:
+        with torch.set_grad_enabled(not forward_only):
+            output, loss_fn = forward_step(batches, model)
+            loss = _calc_loss(model, output, loss_fn, config, len(micro_batches), reports)
+        if not forward_only:
+            loss.backward()
+    return reports
+
+
+def _gpipe(model, micro_batches, ctx, forward_step, config, shape, forward_only) -> list[dict]:
+    """Twin of megatron's pipelined schedule: every forward, then every backward."""
     from megatron.core import parallel_state as ps
 
-    prev_rank, next_rank = _pipeline_neighbours()
+    prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+    next_rank = ps.get_pipeline_model_parallel_next_rank()
     n = len(micro_batches)
-    inputs, outputs = [], []
-    total = torch.zeros((), device=ctx.device)
-    for batch in micro_batches:
+    batches = iter(micro_batches)
+    inputs, outputs, reports = [], [], []
+    for _ in micro_batches:
         received = None
         if not ctx.first_stage:
-            received = torch.empty(shape, device=ctx.device)
+            received = torch.empty(shape, device=ctx.device, dtype=config.pipeline_dtype)
             dist.recv(received, src=prev_rank)
             received.requires_grad_(not forward_only)
             model.set_input_tensor(received)
         with torch.set_grad_enabled(not forward_only):
+            out, loss_fn = forward_step(batches, model)
             if ctx.last_stage:
-                out = loss_fn(model, batch) / n
-                total += out.detach()
+                out = _calc_loss(model, out, loss_fn, config, n, reports)
             else:
-                out = model(batch["tokens"].to(ctx.device), None, None)
                 dist.send(out.detach().contiguous(), dst=next_rank)
         inputs.append(received)
         outputs.append(out)
@@ -78,35 +139,15 @@ def _gpipe(model, micro_batches, ctx, loss_fn, shape, forward_only) -> torch.Ten
                 torch.autograd.backward(out, grad)
             if not ctx.first_stage:
                 dist.send(received.grad.contiguous(), dst=prev_rank)
-    # Only the last stage computed the loss: share it with the other stages.
-    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return total
+    return reports
 
 
-def _megatron_1f1b(model, micro_batches, ctx, loss_fn, shape, forward_only) -> torch.Tensor:
-    """megatron-core's interleaving schedule (GPU): it drives the same model and loss."""
-    from megatron.core import parallel_state as ps
+def _megatron_schedule(model, micro_batches, forward_step, shape, forward_only) -> list[dict]:
+    """megatron-core's schedule (GPU): no pipelining, or 1F1B across the pipeline stages."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    n = len(micro_batches)
-    batches = iter(micro_batches)
-
-    def forward_step(data_iterator, module):
-        batch = next(data_iterator)
-        output = loss_fn(module, batch) if ctx.last_stage else module(
-            batch["tokens"].to(ctx.device), None, None)
-
-        def reduce(loss):
-            return loss / n, {"loss": loss.detach() / n}
-
-        return output, reduce
-
     seq, micro, _hidden = shape
-    results = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=batches, model=[model],
-        num_microbatches=n, seq_length=seq, micro_batch_size=micro, forward_only=forward_only)
-    total = torch.zeros((), device=ctx.device)
-    if ctx.last_stage:
-        total += sum(r["loss"] for r in results)
-    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return total
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=micro,
+        forward_only=forward_only)

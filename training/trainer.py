@@ -18,13 +18,16 @@ from data import MissingDataError, build_data, validate_config
 from model.build import build_model, choose_backend
 from model.compat import seed_model_parallel_rng
 from nvfp4_recipe.policy import describe_kernels
+from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
+                                     refresh_quantized_weights)
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
 from .distributed import ParallelContext, init_distributed, shutdown
 from .metrics import (MetricsSink, data_line, render, setup_logging, start_wandb,
                       status_line)
-from .optim import build_optimizer
+from .mixed_precision import PARAMS_DTYPE, build_data_parallel_model, optimizer_state_bytes
+from .optim import WSDScheduler
 from .pipeline import run_micro_batches
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -97,18 +100,22 @@ class Trainer:
             global_batch_size=tr.global_batch_size, total_tokens=self.total_tokens,
             seed=tr.seed, dp_rank=ctx.data_rank, dp_size=ctx.data, show_progress=ctx.is_main,
         )
-        backend, reason = choose_backend(cfg.precision)
+        backend, reason = choose_backend(cfg.precision, cfg.model.spec)
         self.built = build_model(
             cfg.model, cfg.precision, vocab_size=self.data.vocab_size,
             tensor_parallel=ctx.tensor, pipeline_parallel=ctx.pipeline, backend=backend,
             pre_process=ctx.first_stage, post_process=ctx.last_stage,
             num_layers_in_first_stage=cfg.parallel.first_stage_layers,
             num_layers_in_last_stage=cfg.parallel.last_stage_layers,
+            params_dtype=PARAMS_DTYPE,
         )
         # What flows between pipeline stages: [sequence, micro-batch, hidden] activations.
         self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
-        self.model = self.built.module.to(ctx.device)
-        self.optimizer, self.scheduler = build_optimizer(self.model, tr)
+        self.core = self.built.module.to(ctx.device)  # the unwrapped megatron model
+        # BF16 weights, FP32 main grads and master weights (megatron's DDP and optimizer on GPUs).
+        self.model, self.optimizer = build_data_parallel_model(self.core, tr, ctx)
+        self.scheduler = WSDScheduler(self.optimizer, tr)
+        self.weight_caches = modules_with_weight_cache(self.core)  # TE's quantized weights
         # Different stochastic-rounding draws per data-parallel replica, identical otherwise.
         torch.manual_seed(tr.seed + 1000 * ctx.data_rank + 1)
 
@@ -125,6 +132,10 @@ class Trainer:
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
                  f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step")
+        log.info(f"mixed precision: BF16 weights, FP32 main grads; FP32 master weights + Adam "
+                 f"{optimizer_state_bytes(self.optimizer) / 2**20:.2f} MiB on this rank"
+                 + (f" (sharded over {ctx.data} data-parallel ranks)"
+                    if tr.distributed_optimizer and ctx.data > 1 else ""))
 
     # -- state ------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -137,14 +148,14 @@ class Trainer:
         return self.step * self.tokens_per_step
 
     def save(self) -> None:
-        finite = torch.tensor(float(all(torch.isfinite(p).all() for p in self.model.parameters())),
+        finite = torch.tensor(float(all(torch.isfinite(p).all() for p in self.core.parameters())),
                               device=self.ctx.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to write
         if not finite.item():
             log.error("not writing a checkpoint: the weights contain NaN/Inf")
             return
         path = ckpt.save_checkpoint(
-            self.ckpt_root, self.step, self.ctx, model=self.model, optimizer=self.optimizer,
+            self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
             trainer_state=self.state(), keep_last=self.cfg.trainer.keep_last)
         log.info(f"saved checkpoint {path}")
 
@@ -152,7 +163,7 @@ class Trainer:
         path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, self.ctx, self.model, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer)
         trainer = state["trainer"]
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.train.load_state_dict(trainer["data"])
@@ -169,54 +180,30 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}")
 
     # -- one step ---------------------------------------------------------------------------
-    def _loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        """Mean next-token loss of one micro-batch (on the last pipeline stage)."""
-        dev = self.ctx.device
-        tokens, labels = batch["tokens"].to(dev), batch["labels"].to(dev)
-        mask = batch["loss_mask"].to(dev)
-        per_token = model(tokens, None, None, labels=labels)
-        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
-
     def _all_reduce_mean(self, t: torch.Tensor, group) -> torch.Tensor:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
             t /= dist.get_world_size(group)
         return t
 
-    def _grad_norm(self) -> torch.Tensor:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        squares = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
-        for p in self.model.parameters():
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                squares += p.grad.float().pow(2).sum()
-        if self.ctx.tensor > 1:
-            dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
-        if self.ctx.pipeline > 1:
-            dist.all_reduce(squares, group=parallel_state.get_pipeline_model_parallel_group())
-        return squares.sqrt()
-
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         from megatron.core import parallel_state
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        refresh_quantized_weights(self.weight_caches)
         # Diagnostics, when due, record each linear's last micro-batch.
         self.built.runtime_state.collect_diagnostics = self._diagnostics_due()
-        total = run_micro_batches(self.model, micro_batches, self.ctx, self._loss,
-                                  self.activation_shape)
+        # Forward, backward and the data-parallel gradient sync (megatron's finalize_model_grads).
+        total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape)
         self.built.runtime_state.collect_diagnostics = False
-        dp_group = parallel_state.get_data_parallel_group()
-        if self.ctx.data > 1:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            self._all_reduce_mean(flat, dp_group)
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
-            del flat  # 4 bytes per parameter, not to be held through the optimizer step
-        loss = self._all_reduce_mean(total, dp_group).item()
-        grad_norm = self._grad_norm().item()
+        loss = self._all_reduce_mean(total, parallel_state.get_data_parallel_group()).item()
+        # megatron's optimizer.step(), split so that a non-finite norm can skip the update.
+        self.optimizer.prepare_grads()
+        clip = self.cfg.trainer.grad_clip
+        grad_norm = float(self.optimizer.clip_grad_norm(clip) if clip > 0
+                          else self.optimizer.get_grad_norm())
         lr = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if self.cfg.trainer.on_nan == "stop":
@@ -225,15 +212,10 @@ class Trainer:
                     "stopping without a checkpoint (trainer.on_nan=skip skips such steps)",
                     ExitCode.DIVERGED)
             self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             self.scheduler.step()
             return StepResult(loss, grad_norm, lr, skipped=True)
-        clip = self.cfg.trainer.grad_clip
-        if clip > 0 and grad_norm > clip:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(clip / (grad_norm + 1e-6))
-        self.optimizer.step()
+        self.optimizer.step_with_ready_grads()
         self.scheduler.step()
         return StepResult(loss, grad_norm, lr, skipped=False)
 
@@ -243,7 +225,7 @@ class Trainer:
 
     def _collect_diagnostics(self) -> dict[str, float]:
         out = {}
-        for name, module in self.model.named_modules():
+        for name, module in self.core.named_modules():
             for role, stats in getattr(module, "diagnostics", {}).items():
                 for stat, value in stats.items():
                     out[f"quant/{name.removeprefix('decoder.')}/{role}/{stat}"] = float(value)
@@ -256,8 +238,9 @@ class Trainer:
         from megatron.core import parallel_state
 
         self.model.eval()
-        loss = run_micro_batches(self.model, self.val_batches, self.ctx, self._loss,
-                                 self.activation_shape, forward_only=True)
+        refresh_quantized_weights(self.weight_caches)  # the weights the last step produced
+        loss = run_micro_batches(self.model, self.val_batches, self.ctx, self.activation_shape,
+                                 forward_only=True)
         return self._all_reduce_mean(loss, parallel_state.get_data_parallel_group()).item()
 
     def _maybe_switch_precision(self, sink: MetricsSink) -> None:
@@ -372,6 +355,9 @@ def run(cfg) -> int:
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
         validate(cfg, ctx.world_size)
         validate_config(cfg.data, check_files=True)  # before anything is written
+        if choose_backend(cfg.precision, cfg.model.spec)[0] == "te":
+            switch = cfg.precision.switch_to_bf16
+            check_te_switch(switch.passes, switch.at_fraction)
         run_dir = prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
         return Trainer(cfg, ctx, stop).fit()

@@ -1,0 +1,112 @@
+"""Which layer spec and GEMM backend a run uses, and why: one pure decision over a probed machine.
+
+- TE spec + TE GEMMs: Transformer Engine runs the precision's recipe on this GPU (TE's own
+  check), and mamba_ssm + causal_conv1d import (megatron's MambaMixer, which the TE spec uses,
+  raises ImportError without mamba_ssm, mc 0.16.1 ssm/mamba_mixer.py:173-176; its fused default
+  path, `use_mamba_mem_eff_path`, needs causal_conv1d).
+- Otherwise the portable spec, GEMMs emulated by nvfp4_recipe; on CUDA its Mamba mixer still uses
+  each mamba_ssm / causal_conv1d kernel that imports (model/mamba_mixer.py).
+
+`model.spec` and `precision.backend` may force either side; forcing TE where it cannot run is a
+ValueError that names the key and the reason, and `auto` never raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from nvfp4_recipe.policy import PrecisionConfig
+
+SPECS = ("auto", "portable", "te")
+SPEC_OF_BACKEND = {"te": "te", "emulated": "portable"}  # TE layers do their own GEMMs
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers the model (plain values, so tests can state any machine)."""
+
+    capability: Optional[tuple[int, int]]  # None: no CUDA device
+    te_recipe: tuple[bool, str]  # transformer_engine imports and runs the recipe here, or why not
+    mamba_ssm: bool  # imports (Triton SSD scan, gated RMSNorm)
+    causal_conv1d: bool  # imports
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    spec: str  # "te" | "portable"
+    gemm_backend: str  # "te" | "emulated"
+    reason: str
+
+
+def _te_spec_problem(machine: Machine) -> str:
+    """Why the TE spec cannot run here ("" when it can)."""
+    if machine.capability is None:
+        return "no CUDA device"
+    te_ok, te_why = machine.te_recipe
+    if not te_ok:
+        return te_why
+    missing = [name for name, ok in (("mamba_ssm", machine.mamba_ssm),
+                                     ("causal_conv1d", machine.causal_conv1d)) if not ok]
+    if missing:
+        return (f"{' and '.join(missing)} not importable (the TE spec's Mamba mixer needs "
+                "mamba_ssm and causal_conv1d)")
+    return ""
+
+
+def _portable_mixer_kernels(machine: Machine) -> str:
+    """What the portable Mamba mixer runs on this machine, for the start-up line."""
+    if machine.capability is None:
+        return ""
+    scan = "mamba_ssm SSD scan and gated norm" if machine.mamba_ssm else "PyTorch SSD scan and norm"
+    conv = "causal_conv1d" if machine.causal_conv1d else "PyTorch conv1d"
+    return f"; Mamba mixer: {scan}, {conv}"
+
+
+def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine) -> BackendChoice:
+    """The spec family and GEMM backend for a run on `machine`, with the reason to log."""
+    if model_spec not in SPECS:
+        raise ValueError(f"model.spec={model_spec!r}: choose auto, portable or te")
+    asked_te = [f"{key}=te" for key, value in (("model.spec", model_spec),
+                                               ("precision.backend", precision.backend))
+                if value == "te"]
+    asked_portable = (["model.spec=portable"] if model_spec == "portable" else []) + (
+        ["precision.backend=emulated"] if precision.backend == "emulated" else [])
+    if asked_te and asked_portable:
+        raise ValueError(f"{asked_te[0]} contradicts {asked_portable[0]}: TE layers run TE GEMMs, "
+                         "the portable spec emulated ones; set one of them to auto")
+    kernels = _portable_mixer_kernels(machine)
+    if asked_portable:
+        return BackendChoice("portable", "emulated", f"portable spec: {asked_portable[0]}{kernels}")
+    problem = _te_spec_problem(machine)
+    if problem and asked_te:
+        key = asked_te[0].split("=")[0]
+        raise ValueError(f"{asked_te[0]} is not available here: {problem}; use {key}=auto or "
+                         f"{'portable' if key == 'model.spec' else 'emulated'}")
+    if problem:
+        return BackendChoice("portable", "emulated", f"portable spec: {problem}{kernels}")
+    major, minor = machine.capability
+    why = asked_te[0] if asked_te else f"compute capability {major}.{minor}"
+    return BackendChoice("te", "te",
+                         f"TE spec: {why}; transformer_engine, mamba_ssm and causal_conv1d usable")
+
+
+def probe_machine(precision: PrecisionConfig) -> Machine:
+    """Probe this machine for `select_backend` (imports TE and the Mamba kernels; never raises)."""
+    from nvfp4_recipe.te_mapping import probe_te_support
+
+    from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    kernels = mamba_kernels()
+    packages = {KERNEL_PACKAGES[name] for name in kernels}
+    return Machine(capability=capability, te_recipe=probe_te_support(precision, capability),
+                   mamba_ssm="mamba_ssm" in packages, causal_conv1d="causal_conv1d" in packages)
+
+
+def choose_backend(precision: PrecisionConfig, model_spec: str = "auto") -> tuple[str, str]:
+    """("te" | "emulated", reason) for this machine; the spec family follows the backend."""
+    choice = select_backend(precision, model_spec, probe_machine(precision))
+    return choice.gemm_backend, choice.reason

@@ -1,0 +1,71 @@
+"""What Transformer Engine layers run under, step by step: pure decisions, tested on CPU.
+
+- Which recipe each layer runs under at a given moment of the run (`te_layer_recipe`): the
+  policy's low-precision layers run under the TE recipe until the late switch to BF16 fires;
+  BF16 layers never do. The autocast is entered per layer at every forward (`te_layer_context`),
+  so the switch, which flips `RuntimePrecisionState`, reaches layers built long before.
+- When TE's cached quantized weights are refreshed (`refresh_quantized_weights`). TE quantizes a
+  weight when `is_first_microbatch` is True and reuses that copy while it is False
+  (TE `module/linear.py:253-260`, `module/base.py:1378-1446`, v2.8). megatron's TE wrappers set
+  the flag to False after each call (`extensions/transformer_engine.py:672-678, 893-900`, core
+  0.16.1), and only `MegatronModule.set_is_first_microbatch` sets it back, and only when
+  `config.fp8`/`fp4` is set (`transformer/module.py:105-121`), which this project does not use:
+  without a reset every step after the first would reuse step 1's quantized weights. We set it on
+  every module that has it, before every training step and every evaluation: quantized once per
+  step, reused by that step's micro-batches, never across steps.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
+
+import torch
+
+from .policy import LayerPrecision, RuntimePrecisionState
+
+
+def te_layer_recipe(decision: LayerPrecision, state: RuntimePrecisionState,
+                    recipe: Any) -> Optional[Any]:
+    """The TE recipe a layer's forward runs under now, or None for plain BF16."""
+    if not decision.low_precision:
+        return None
+    if state.switched_passes is None:
+        return recipe
+    if state.switched_passes == "all":
+        return None
+    # TE's recipe is chosen for a layer's forward, and its backward follows what the forward
+    # quantized: a BF16 Fprop with quantized Dgrad/Wgrad cannot be expressed (checked at start-up
+    # by check_te_switch).
+    raise ValueError(f"switch_to_bf16.passes={state.switched_passes!r} cannot run on TE layers")
+
+
+def check_te_switch(passes: str, at_fraction: Optional[float]) -> None:
+    """Refuse, before anything is written, a switch that TE layers cannot perform."""
+    if at_fraction is not None and passes != "all":
+        raise ValueError(
+            f"precision.switch_to_bf16.passes={passes!r} needs the emulated backend: on TE a "
+            "layer's backward GEMMs follow its forward's recipe, so only passes=all (every GEMM "
+            "to BF16) can switch; use passes=all or precision.backend=emulated")
+
+
+def te_layer_context(decision: LayerPrecision, state: RuntimePrecisionState, recipe: Any,
+                     autocast: Callable[[Any], Any]) -> Callable[[], Any]:
+    """A factory of the context one layer's forward runs in, decided anew at every call."""
+
+    def context():
+        chosen = te_layer_recipe(decision, state, recipe)
+        return nullcontext() if chosen is None else autocast(chosen)
+
+    return context
+
+
+def modules_with_weight_cache(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module whose quantized-weight cache is keyed by `is_first_microbatch` (TE's)."""
+    return [m for m in model.modules() if hasattr(m, "is_first_microbatch")]
+
+
+def refresh_quantized_weights(modules: list[torch.nn.Module]) -> None:
+    """Start of a step or an evaluation: the next forward quantizes the current weights."""
+    for module in modules:
+        module.is_first_microbatch = True

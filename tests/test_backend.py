@@ -1,0 +1,138 @@
+"""Which spec and GEMM backend a run gets (model/backend.py): the pure choice over stated
+machines, and the probe with TE and the Mamba kernels faked (none is installed on CPU)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from model.backend import Machine, select_backend
+from model.build import choose_backend  # where the trainer, plan and bench import it from
+from nvfp4_recipe.policy import PrecisionConfig
+
+NVFP4 = PrecisionConfig(name="nvfp4", format="nvfp4")
+B200 = Machine(capability=(10, 0), te_recipe=(True, ""), mamba_ssm=True, causal_conv1d=True)
+CPU = Machine(capability=None, te_recipe=(False, "no CUDA device"), mamba_ssm=False,
+              causal_conv1d=False)
+
+
+def precision(backend: str = "auto", fmt: str = "nvfp4") -> PrecisionConfig:
+    return PrecisionConfig(name=fmt, format=fmt, backend=backend)
+
+
+def test_te_spec_where_everything_runs():
+    choice = select_backend(NVFP4, "auto", B200)
+    assert (choice.spec, choice.gemm_backend) == ("te", "te")
+    assert choice.reason == ("TE spec: compute capability 10.0; transformer_engine, mamba_ssm and "
+                             "causal_conv1d usable")
+
+
+@pytest.mark.parametrize(
+    "machine,reason",
+    [(CPU, "portable spec: no CUDA device"),
+     # issue 12, F: TE without mamba_ssm used to pick the TE spec, whose MambaMixer raises
+     (Machine((10, 0), (True, ""), mamba_ssm=False, causal_conv1d=False),
+      "portable spec: mamba_ssm and causal_conv1d not importable (the TE spec's Mamba mixer "
+      "needs mamba_ssm and causal_conv1d); Mamba mixer: PyTorch SSD scan and norm, PyTorch conv1d"),
+     (Machine((10, 0), (True, ""), mamba_ssm=True, causal_conv1d=False),
+      "portable spec: causal_conv1d not importable (the TE spec's Mamba mixer needs mamba_ssm and "
+      "causal_conv1d); Mamba mixer: mamba_ssm SSD scan and gated norm, PyTorch conv1d"),
+     # issue 12, E: TE's own verdict on the recipe
+     (Machine((9, 0), (False, "FP8 block scaling needs CUDA 12.9 or newer, found 12.4"),
+              mamba_ssm=True, causal_conv1d=True),
+      "portable spec: FP8 block scaling needs CUDA 12.9 or newer, found 12.4; Mamba mixer: "
+      "mamba_ssm SSD scan and gated norm, causal_conv1d")],
+)
+def test_auto_falls_back_to_the_portable_spec_with_the_reason(machine, reason):
+    choice = select_backend(precision("auto", "fp8"), "auto", machine)
+    assert (choice.spec, choice.gemm_backend, choice.reason) == ("portable", "emulated", reason)
+
+
+def test_model_spec_portable_wins_on_blackwell():
+    choice = select_backend(NVFP4, "portable", B200)
+    assert (choice.spec, choice.gemm_backend) == ("portable", "emulated")
+    assert choice.reason == ("portable spec: model.spec=portable; Mamba mixer: mamba_ssm SSD scan "
+                             "and gated norm, causal_conv1d")
+
+
+def test_model_spec_te_where_it_cannot_run_names_the_key_and_why():
+    no_mamba = Machine((10, 0), (True, ""), mamba_ssm=False, causal_conv1d=True)
+    with pytest.raises(ValueError, match=r"model.spec=te is not available here: mamba_ssm not "
+                                         r"importable .*; use model.spec=auto or portable"):
+        select_backend(NVFP4, "te", no_mamba)
+    assert select_backend(NVFP4, "te", B200).spec == "te"
+
+
+def test_precision_backend_te_where_it_cannot_run():
+    with pytest.raises(ValueError, match="precision.backend=te is not available here: no CUDA "
+                                         "device; use precision.backend=auto or emulated"):
+        select_backend(precision("te"), "auto", CPU)
+
+
+@pytest.mark.parametrize("backend,spec", [("te", "portable"), ("emulated", "te")])
+def test_contradicting_keys_are_refused(backend, spec):
+    with pytest.raises(ValueError, match="contradicts"):
+        select_backend(precision(backend), spec, B200)
+
+
+def test_precision_backend_emulated_is_portable():
+    choice = select_backend(precision("emulated"), "auto", B200)
+    assert choice.spec == "portable"
+    assert choice.reason.startswith("portable spec: precision.backend=emulated;")
+
+
+# -- the probe, on a faked machine ---------------------------------------------------------------
+
+def _fake_gpu(monkeypatch, capability, *, te_checks, kernels):
+    """A CUDA device of `capability` with a fake TE >= 2.9 answering `te_checks` and the given
+    Mamba kernels importable."""
+    import model.mamba_mixer as mm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    manager = type("FP8GlobalStateManager", (), {
+        name: classmethod(lambda cls, _a=answer: _a) for name, answer in te_checks.items()})
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = "2.9.0"
+    quantization = types.ModuleType("transformer_engine.pytorch.quantization")
+    quantization.FP8GlobalStateManager = manager
+    for name, module in (("transformer_engine", te),
+                         ("transformer_engine.pytorch", types.ModuleType("te.pytorch")),
+                         ("transformer_engine.pytorch.quantization", quantization)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(mm, "_KERNELS", {name: object() for name in kernels})
+
+
+def test_choose_backend_on_blackwell_with_te_but_no_mamba_ssm(monkeypatch):
+    """issue 12, F: today's code picked TE here and megatron's MambaMixer raised ImportError."""
+    _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")}, kernels=())
+    backend, reason = choose_backend(NVFP4)
+    assert backend == "emulated"
+    assert reason.startswith("portable spec: mamba_ssm and causal_conv1d not importable")
+    _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
+              kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
+    assert choose_backend(NVFP4)[0] == "te"
+    assert choose_backend(NVFP4, "portable")[0] == "emulated"
+
+
+def test_choose_backend_asks_te_about_fp8_block_scaling(monkeypatch):
+    """issue 12, E: Hopper with CUDA < 12.9: TE says no, auto falls back with TE's reason."""
+    reason = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
+    _fake_gpu(monkeypatch, (9, 0), te_checks={"is_fp8_block_scaling_available": (False, reason)},
+              kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
+    backend, why = choose_backend(precision("auto", "fp8"))
+    assert backend == "emulated" and why.startswith(f"portable spec: transformer_engine: {reason}")
+    with pytest.raises(ValueError, match="precision.backend=te is not available here"):
+        choose_backend(precision("te", "fp8"))
+
+
+def test_build_model_refuses_a_backend_against_model_spec():
+    """A caller's backend that model.spec rules out fails before anything is built."""
+    from model.build import build_model
+    from model.config import ModelConfig
+
+    with pytest.raises(ValueError, match=r"model.spec=portable but backend=te \(the te spec\)"):
+        build_model(ModelConfig(spec="portable"), NVFP4, vocab_size=512, backend="te")

@@ -1,0 +1,177 @@
+"""BF16 weights and activations, FP32 main grads and master weights (issue: the GPU path, A).
+
+The objects are megatron's on GPUs and their CPU twins here; these tests pin the twins to the
+semantics megatron's promise (and an independent AdamW reference), and the GPU wiring to the
+configuration Megatron-LM uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.build import build_model
+from model.config import ModelConfig
+from nvfp4_recipe.policy import PrecisionConfig
+from training import mixed_precision as mp
+from training.config import TrainerConfig
+from training.distributed import init_distributed, shutdown
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = init_distributed(1, 1, "gloo")
+    yield context
+    shutdown()
+
+
+def _model(precision: str = "nvfp4"):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256)
+    return build_model(cfg, PrecisionConfig(name=precision, format=precision), vocab_size=256,
+                       backend="emulated", params_dtype=mp.PARAMS_DTYPE).module
+
+
+def test_every_gemm_receives_bf16_and_grads_accumulate_in_fp32(ctx):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from model.attention import SDPACoreAttention
+
+    model, optimizer = mp.build_data_parallel_model(_model(), TrainerConfig(), ctx)
+    seen = {}
+
+    def record(name):
+        def hook(_module, args, kwargs):
+            first = args[0] if args else next(iter(kwargs.values()))
+            seen[name] = first.dtype
+        return hook
+
+    for name, module in model.module.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, SDPACoreAttention)):
+            module.register_forward_pre_hook(record(name), with_kwargs=True)
+    tokens = torch.randint(0, 256, (2, 64))
+    loss = model(tokens, None, None, labels=tokens)
+    assert loss.dtype == torch.float32  # Float16Module: fp32 outputs on the last stage
+    loss.mean().backward()
+    assert len(seen) >= 12 and set(seen.values()) == {torch.bfloat16}, seen
+    params = list(model.module.parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in params)
+    assert any(p.main_grad.abs().sum() > 0 for p in params)
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
+    assert {p.dtype for p in masters} == {torch.float32}
+    assert sum(p.numel() for p in masters) == sum(p.numel() for p in params)
+
+
+def test_twin_step_matches_adamw_on_fp32_master_weights(ctx):
+    """Two micro-batches accumulated in FP32, clipped, AdamW on FP32 masters, BF16 copies back."""
+    from training.optim import WSDScheduler
+
+    torch.manual_seed(1)
+    inner = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.LayerNorm(48),
+                                torch.nn.Linear(48, 8)).to(torch.bfloat16)
+    reference = [p.detach().float().clone().requires_grad_() for p in inner.parameters()]
+    model = mp.BufferedDataParallel(inner)
+    tr = TrainerConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0, grad_clip=0.05)
+    optimizer = mp.MixedPrecisionOptimizer(model, lr=tr.lr, weight_decay=tr.weight_decay,
+                                           betas=(0.9, 0.95), eps=1e-8)
+    WSDScheduler(optimizer, tr)
+    xs = [torch.randn(4, 32, dtype=torch.bfloat16) for _ in range(2)]
+    for x in xs:
+        model(x).float().pow(2).mean().backward()
+    optimizer.prepare_grads()
+    norm = optimizer.clip_grad_norm(tr.grad_clip)
+    optimizer.step_with_ready_grads()
+
+    # Reference: the same BF16 forward/backward, grads summed in FP32, torch AdamW, megatron's
+    # clip coefficient; weight decay only on the 2-D weights.
+    grads = [torch.zeros_like(r) for r in reference]
+    for x in xs:
+        inner.zero_grad()
+        bf16 = [p.detach().clone().requires_grad_() for p in reference]
+        out = torch.func.functional_call(
+            inner, {n: b.to(torch.bfloat16) for (n, _), b in zip(inner.named_parameters(), bf16)},
+            (x,))
+        g = torch.autograd.grad(out.float().pow(2).mean(),
+                                [b for b in bf16])  # w.r.t. the bf16 values, in fp32
+        for acc, gi in zip(grads, g):
+            acc += gi
+    expected_norm = torch.sqrt(sum(g.pow(2).sum() for g in grads)).item()
+    assert norm == pytest.approx(expected_norm, rel=1e-5)
+    ref_opt = torch.optim.AdamW(
+        [{"params": [r for r in reference if r.ndim == 2], "weight_decay": 0.1},
+         {"params": [r for r in reference if r.ndim < 2], "weight_decay": 0.0}],
+        lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for r, g in zip(reference, grads):
+        r.grad = g * min(1.0, tr.grad_clip / (expected_norm + 1e-6))
+    ref_opt.step()
+    masters = [m for *_, m in optimizer.pieces]
+    for r, m, p in zip(reference, masters, inner.parameters()):
+        # Summation order of the BF16 backward differs (functional call vs module): ~1 ulp.
+        torch.testing.assert_close(m.view(r.shape), r.detach(), rtol=2e-3, atol=2e-5)
+        assert torch.equal(p.detach(), m.detach().view(r.shape).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_shard_layout_covers_each_element_exactly_once(shards):
+    numels = [7, 1, 12, 5]
+    owners = [[0] * n for n in numels]
+    for r in range(shards):
+        layout = mp.ShardLayout.build(numels, shards, r)
+        assert layout.padded_total % shards == 0 and layout.padded_total - layout.total < shards
+        for i in range(len(numels)):
+            owned = layout.owned(i)
+            if owned:
+                for k in range(*owned):
+                    owners[i][k] += 1
+    assert all(count == 1 for per_param in owners for count in per_param)
+
+
+def test_no_weight_decay_rule_is_megatrons():
+    assert mp.is_no_weight_decay("decoder.layers.0.mixer.A_log", torch.zeros(4))
+    assert mp.is_no_weight_decay("x.linear_qkv.bias", torch.zeros(4, 4))
+    assert not mp.is_no_weight_decay("decoder.layers.0.mixer.in_proj.weight", torch.zeros(4, 4))
+
+
+def test_optimizer_bytes_halve_with_the_distributed_optimizer():
+    """8 parameters' worth of master + moments at DP=1; half of it per rank at DP=2."""
+    class Groups:
+        def __init__(self, sizes):
+            self.param_groups = [{"params": [torch.zeros(n) for n in sizes]}]
+
+    assert mp.optimizer_state_bytes(Groups([8])) == 8 * 12
+    assert mp.optimizer_state_bytes(Groups([4])) * 2 == mp.optimizer_state_bytes(Groups([8]))
+
+
+def test_gpu_wiring_is_megatron_lm_bf16(monkeypatch):
+    """On CUDA: megatron's DDP (FP32 grad reduce, overlapped) and get_megatron_optimizer (bf16,
+    FP32 master weights, distributed when asked), and the schedule hooks Megatron-LM sets."""
+    import megatron.core.distributed as mcd
+    import megatron.core.optimizer as mco
+
+    made = {}
+
+    class FakeDDP:
+        def __init__(self, config, ddp_config, module):
+            made["ddp"] = ddp_config
+            self.no_sync, self.start_grad_sync = object(), object()
+
+    monkeypatch.setattr(mcd, "DistributedDataParallel", FakeDDP)
+    class FakeOptimizer:
+        def __init__(self, config, chunks):
+            made["opt"] = config
+            self.scale_loss = object()
+
+    monkeypatch.setattr(mco, "get_megatron_optimizer", FakeOptimizer)
+    config = type("Config", (), {})()
+    model, optimizer = mp._megatron_ddp_and_optimizer(
+        object(), config, TrainerConfig(distributed_optimizer=True, grad_clip=0.5))
+    ddp, opt_config = made["ddp"], made["opt"]
+    assert ddp.grad_reduce_in_fp32 and ddp.overlap_grad_reduce and ddp.use_distributed_optimizer
+    assert opt_config.bf16 and opt_config.params_dtype == torch.bfloat16
+    assert opt_config.use_distributed_optimizer and opt_config.clip_grad == 0.5
+    assert opt_config.optimizer == "adam"
+    assert config.no_sync_func is model.no_sync and config.grad_sync_func is model.start_grad_sync
+    assert config.grad_scale_func is optimizer.scale_loss
+    assert mp.uses_megatron_ddp(torch.device("cuda", 0))
+    assert not mp.uses_megatron_ddp(torch.device("cpu"))

@@ -1,0 +1,147 @@
+"""TE decisions as pure functions (issue: the GPU path, B and G), run through the real stack.
+
+Transformer Engine is not installed here: a fake autocast records which recipe each layer's
+forward ran under, and a fake TE-wrapper flag stands for megatron's `is_first_microbatch`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
+from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
+                                     refresh_quantized_weights, te_layer_context,
+                                     te_layer_recipe)
+
+RECIPE = object()  # stands for NVFP4BlockScaling(...)
+LOW = LayerPrecision(index=3, kind="mamba", format="nvfp4")
+BF16 = LayerPrecision(index=0, kind="mamba", format="bf16")
+
+
+@pytest.mark.parametrize("switched, low, bf16", [
+    (None, RECIPE, None),  # before the switch: the policy's low-precision layers quantize
+    ("all", None, None),  # after it: every GEMM in BF16
+])
+def test_recipe_per_layer_before_and_after_the_switch(switched, low, bf16):
+    state = RuntimePrecisionState(switched_passes=switched)
+    assert te_layer_recipe(LOW, state, RECIPE) is low
+    assert te_layer_recipe(BF16, state, RECIPE) is bf16
+
+
+def test_forward_only_switch_is_refused_for_te_before_the_run():
+    check_te_switch("all", 0.82)
+    check_te_switch("forward", None)  # never switches: nothing to refuse
+    with pytest.raises(ValueError, match="switch_to_bf16.passes='forward'.*backend=emulated"):
+        check_te_switch("forward", 0.82)
+    with pytest.raises(ValueError):
+        te_layer_recipe(LOW, RuntimePrecisionState(switched_passes="forward"), RECIPE)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from training.distributed import init_distributed, shutdown
+
+    context = init_distributed(1, 1, "gloo")
+    yield context
+    shutdown()
+
+
+def test_switch_reaches_layers_built_before_it(ctx, monkeypatch):
+    """G: the stack enters each layer's context at every forward, so flipping the runtime state
+    after the model was built changes what the next forward runs under."""
+    from contextlib import contextmanager
+
+    from model import build as build_module
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import PrecisionConfig
+
+    entered = []
+
+    @contextmanager
+    def fake_autocast(recipe):
+        entered.append(recipe)
+        yield
+
+    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
+    monkeypatch.setattr("nvfp4_recipe.te_mapping.build_te_recipe", lambda cfg: RECIPE)
+    # The TE layer specs need TE: build the portable layers under the TE contexts instead.
+    monkeypatch.setattr(build_module, "te_layer_spec",
+                        lambda d, model: build_module.portable_layer_spec(
+                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    cfg = ModelConfig(vocab_size=256)
+    built = build_module.build_model(cfg, PrecisionConfig(name="nvfp4", format="nvfp4"),
+                                     vocab_size=256, backend="te")
+    low = sum(d.low_precision for d in built.policy.layers())
+    assert 0 < low < cfg.num_layers
+    tokens = torch.randint(0, 256, (1, 32))
+    entered.clear()
+    built.module(tokens, None, None, labels=tokens)
+    assert entered == [RECIPE] * low
+    built.runtime_state.switched_passes = "all"  # what the trainer does at the switch
+    entered.clear()
+    built.module(tokens, None, None, labels=tokens)
+    assert entered == []
+
+
+class FakeTEWrapper(torch.nn.Module):
+    """megatron's TE linear wrappers: the flag goes False after each call (transformer_engine.py
+    672-678 in core 0.16.1); TE quantizes the weight only when it was True."""
+
+    def __init__(self):
+        super().__init__()
+        self.is_first_microbatch = True
+        self.quantized_at = []
+
+    def forward(self, x, step):
+        if self.is_first_microbatch:
+            self.quantized_at.append(step)
+        self.is_first_microbatch = False
+        return x
+
+
+def test_weights_are_quantized_once_per_step_never_reused_across_steps():
+    model = torch.nn.Sequential(FakeTEWrapper(), torch.nn.Linear(2, 2), FakeTEWrapper())
+    caches = modules_with_weight_cache(model)
+    assert caches == [model[0], model[2]]
+    for step in range(3):
+        refresh_quantized_weights(caches)
+        for _micro_batch in range(4):
+            for m in caches:
+                m(None, step)
+    assert all(m.quantized_at == [0, 1, 2] for m in caches)  # once per step, every step
+
+
+def test_trainer_refreshes_before_every_step_and_evaluation(tmp_path, data_cache):
+    """B: the trainer resets every TE weight cache at the start of a step and of an evaluation
+    (before this, nothing did: megatron only resets when config.fp8/fp4 is set)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    import os
+
+    from training.config import register_configs
+    from training.distributed import init_distributed, shutdown
+    from training.trainer import Trainer, prepare_run_dir
+    from train_helpers import FAST, REPO
+
+    os.environ["NVFP4_CACHE"] = str(data_cache)
+    register_configs()
+    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
+        raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path}", "trainer.max_steps=1",
+                                          "trainer.eval_every=1"])
+    cfg = OmegaConf.to_object(raw)
+    ctx = init_distributed(1, 1, "gloo")
+    try:
+        prepare_run_dir(cfg, ctx)
+        trainer = Trainer(cfg, ctx)
+        fake = FakeTEWrapper()
+        trainer.core.add_module("fake_te_linear", fake)
+        trainer.weight_caches = modules_with_weight_cache(trainer.core)
+        fake.is_first_microbatch = False
+        trainer.train_step(trainer.data.train.next_global_batch())
+        assert fake.is_first_microbatch is True
+        fake.is_first_microbatch = False
+        trainer.evaluate()
+        assert fake.is_first_microbatch is True
+    finally:
+        shutdown()

@@ -1,0 +1,397 @@
+"""Mixed precision and data parallelism the Megatron way: BF16 weights, FP32 grads and master weights.
+
+What every device runs (Megatron-LM's `--bf16` with its DDP and optimizer):
+- parameters and activations in BF16 (megatron's `Float16Module` casts the model; it runs on CPU);
+- each parameter's gradient accumulated over the step's micro-batches in an FP32 `main_grad`,
+  a view into one contiguous buffer, averaged over data-parallel ranks at the end of the step;
+- FP32 master weights and Adam moments in the optimizer; with `trainer.distributed_optimizer`
+  each data-parallel rank owns 1/DP of them (reduce-scatter of the grads, all-gather of the
+  updated BF16 weights), so optimizer memory per rank falls by the data-parallel size.
+
+On CUDA these are megatron-core's own `DistributedDataParallel` and `get_megatron_optimizer`
+(`build_data_parallel_model`). They hard-code CUDA (`param_and_grad_buffer.py:768-806`,
+`optimizer.py:473-485`, `clip_grads.py:90`, core 0.16.1), so on CPU the classes below are their
+twins: the same interface (zero_grad_buffer / finish_grad_sync, prepare_grads / get_grad_norm /
+clip_grad_norm / step_with_ready_grads, sharded_state_dict / load_state_dict) and semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# The dtypes of a training run, on every device (the policy, not a per-layer choice).
+PARAMS_DTYPE = torch.bfloat16  # model weights and activations: what every GEMM receives
+MAIN_GRADS_DTYPE = torch.float32  # gradient accumulation and data-parallel reduction
+MAIN_PARAMS_DTYPE = torch.float32  # master weights and Adam moments
+# Optimizer state kept per master weight (megatron's names, so checkpoints read alike).
+OPTIMIZER_STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
+
+
+def uses_megatron_ddp(device: torch.device) -> bool:
+    """megatron-core's DDP and optimizer where they run (CUDA); the twins elsewhere."""
+    return device.type == "cuda"
+
+
+def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """megatron's default rule: no weight decay on biases and 1-D parameters (norms, A, D, dt)."""
+    return name.endswith(".bias") or param.ndim < 2
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each parameter lives in the flat buffers, and which slice this rank's optimizer owns.
+
+    Parameters are laid out one after another; the buffer is padded to a multiple of the number
+    of shards (the data-parallel size with the distributed optimizer, else 1), and shard r is the
+    contiguous range [r * shard_size, (r + 1) * shard_size), as megatron's distributed optimizer
+    divides its buffers.
+    """
+
+    offsets: tuple[int, ...]  # start of each parameter
+    numels: tuple[int, ...]
+    num_shards: int
+    shard_index: int
+
+    @classmethod
+    def build(cls, numels: list[int], num_shards: int, shard_index: int) -> "ShardLayout":
+        offsets, start = [], 0
+        for n in numels:
+            offsets.append(start)
+            start += n
+        return cls(tuple(offsets), tuple(numels), num_shards, shard_index)
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def padded_total(self) -> int:
+        return -(-self.total // self.num_shards) * self.num_shards
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded_total // self.num_shards
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        lo = self.shard_index * self.shard_size
+        return lo, lo + self.shard_size
+
+    def owned(self, index: int) -> Optional[tuple[int, int]]:
+        """The part [start, end) of parameter `index` (in its own flat numbering) this shard owns."""
+        lo, hi = self.shard_range
+        start, end = self.offsets[index], self.offsets[index] + self.numels[index]
+        a, b = max(start, lo), min(end, hi)
+        return (a - start, b - start) if a < b else None
+
+
+class BufferedDataParallel(torch.nn.Module):
+    """CPU twin of `megatron.core.distributed.DistributedDataParallel`.
+
+    Each parameter's `.data` and `.main_grad` are views into two flat buffers (BF16 weights,
+    FP32 grads). A post-accumulate hook moves every micro-batch's gradient into `main_grad` in
+    FP32 and frees `.grad`, as megatron's backward hook does (`distributed_data_parallel.py`,
+    `_make_backward_post_hook`). `finish_grad_sync` averages over the data-parallel group: an
+    all-reduce, or a reduce-scatter into this rank's shard with the distributed optimizer.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, data_parallel_group=None,
+                 use_distributed_optimizer: bool = False):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        super().__init__()
+        self.module = module
+        # What megatron's finalize_model_grads reads from a DDP model chunk.
+        self.ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
+        self.dp_group = data_parallel_group
+        self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
+        dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one parameter dtype expected for the flat buffer, found {dtypes}")
+        shards = self.dp_size if use_distributed_optimizer else 1
+        self.layout = ShardLayout.build([p.numel() for p in self.params], shards,
+                                        dp_rank if use_distributed_optimizer else 0)
+        self.param_data = torch.zeros(self.layout.padded_total, dtype=dtypes.pop())
+        self.grad_data = torch.zeros(self.layout.padded_total, dtype=MAIN_GRADS_DTYPE)
+        for p, start, n in zip(self.params, self.layout.offsets, self.layout.numels):
+            self.param_data[start:start + n].copy_(p.data.view(-1))
+            p.data = self.param_data[start:start + n].view(p.shape)
+            p.main_grad = self.grad_data[start:start + n].view(p.shape)
+            p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        return self.module.sharded_state_dict(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def zero_grad_buffer(self) -> None:
+        self.grad_data.zero_()
+        for p in self.params:
+            p.grad = None
+
+    @contextmanager
+    def no_sync(self):
+        """Gradients are reduced once per step, in finish_grad_sync: nothing to suspend."""
+        yield
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        if self.dp_size == 1:
+            return
+        self.grad_data /= self.dp_size  # megatron's gradient_scaling_factor = 1 / DP
+        if self.use_distributed_optimizer and not force_all_reduce:
+            lo, hi = self.layout.shard_range
+            shard = torch.empty(hi - lo, dtype=self.grad_data.dtype)
+            dist.reduce_scatter_tensor(shard, self.grad_data, group=self.dp_group)
+            self.grad_data[lo:hi].copy_(shard)
+        else:
+            dist.all_reduce(self.grad_data, group=self.dp_group)
+
+    def gather_params(self) -> None:
+        """After the optimizer updated this rank's shard: every rank gets every BF16 weight."""
+        if self.use_distributed_optimizer and self.dp_size > 1:
+            lo, hi = self.layout.shard_range
+            dist.all_gather_into_tensor(self.param_data, self.param_data[lo:hi].clone(),
+                                        group=self.dp_group)
+
+
+def _accumulate_into_main_grad(param: torch.Tensor) -> None:
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+class MixedPrecisionOptimizer:
+    """CPU twin of megatron's `Float16OptimizerWithFloat16Params` / `DistributedOptimizer`.
+
+    AdamW on FP32 master copies of the part of each parameter this rank owns (all of it without
+    the distributed optimizer). The grad norm counts every element once over the model- and
+    (sharded) data-parallel ranks; clipping is megatron's `max_norm / (norm + 1e-6)`.
+    """
+
+    def __init__(self, model: BufferedDataParallel, *, lr: float, weight_decay: float,
+                 betas: tuple[float, float], eps: float, model_parallel_group=None):
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        self.model = model
+        self.layout = model.layout
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        # (model param index, its owned range, the FP32 master slice) for each owned piece.
+        self.pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
+        decay, no_decay = [], []
+        self.counts_in_norm: list[bool] = []
+        for i, p in enumerate(model.params):
+            owned = self.layout.owned(i)
+            if owned is None:
+                continue
+            a, b = owned
+            master = torch.nn.Parameter(p.detach().view(-1)[a:b].to(MAIN_PARAMS_DTYPE))
+            self.pieces.append((i, a, b, master))
+            self.counts_in_norm.append(bool(param_is_not_tensor_parallel_duplicate(p)))
+            (no_decay if is_no_weight_decay(names[id(p)], p) else decay).append(master)
+        groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+        # The scheduler sets each group's lr and weight decay (x its wd_mult), as megatron's.
+        self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
+                                      eps=eps, weight_decay=weight_decay, foreach=True)
+        # Every element is owned by one rank of this group: the grad norm sums over it.
+        sharded = model.use_distributed_optimizer and model.dp_size > 1
+        self.norm_group = None if sharded else model_parallel_group
+
+    @property
+    def param_groups(self):
+        return self.adam.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for *_, master in self.pieces:
+            master.grad = None
+
+    def _main_grad(self, index: int, a: int, b: int) -> torch.Tensor:
+        start = self.layout.offsets[index]
+        return self.model.grad_data[start + a:start + b]
+
+    def prepare_grads(self) -> bool:
+        """Point each master slice's .grad at its FP32 main grad; False: nothing found amiss."""
+        for i, a, b, master in self.pieces:
+            master.grad = self._main_grad(i, a, b)
+        return False
+
+    def get_grad_norm(self) -> float:
+        squares = torch.zeros((), dtype=torch.float32)
+        for (*_, master), counted in zip(self.pieces, self.counts_in_norm):
+            if counted:
+                squares += master.grad.pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size(self.norm_group) > 1:
+            dist.all_reduce(squares, group=self.norm_group)
+        return math.sqrt(squares.item()) if torch.isfinite(squares) else float("nan")
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = self.get_grad_norm()
+        coeff = max_norm / (norm + 1.0e-6)
+        if coeff < 1.0:
+            for *_, master in self.pieces:
+                master.grad.mul_(coeff)
+        return norm
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.adam.step()
+        for i, a, b, master in self.pieces:
+            start = self.layout.offsets[i]
+            self.model.param_data[start + a:start + b].copy_(master)
+        self.model.gather_params()
+        return True
+
+    def step(self, clip_grad: float = 0.0):
+        """megatron's step(): (update applied, grad norm, zeros counted (not counted: None))."""
+        self.prepare_grads()
+        norm = self.clip_grad_norm(clip_grad) if clip_grad > 0 else self.get_grad_norm()
+        return self.step_with_ready_grads(), norm, None
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _gathered_state(self) -> list[dict[str, torch.Tensor]]:
+        """Per model parameter, its full FP32 master weight and Adam moments (gathered over DP)."""
+        layout, model = self.layout, self.model
+        lo, hi = layout.shard_range
+        full = {}
+        for key in OPTIMIZER_STATE_KEYS:
+            shard = torch.zeros(hi - lo, dtype=MAIN_PARAMS_DTYPE)
+            for i, a, b, master in self.pieces:
+                start = layout.offsets[i] + a - lo
+                value = master if key == "fp32_param" else self.adam.state[master].get(key)
+                if value is not None:
+                    shard[start:start + b - a].copy_(value.detach())
+            if layout.num_shards > 1:
+                flat = torch.empty(layout.padded_total, dtype=MAIN_PARAMS_DTYPE)
+                dist.all_gather_into_tensor(flat, shard, group=model.dp_group)
+            else:
+                flat = shard
+            full[key] = flat
+        return [{key: full[key][start:start + n].view(p.shape) for key in OPTIMIZER_STATE_KEYS}
+                for p, start, n in zip(model.params, layout.offsets, layout.numels)]
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        """Master weights and moments keyed like the model's tensors: loadable at any TP/PP/DP.
+
+        This is the layout of megatron's 'fully_reshardable' distributed-optimizer format: each
+        state tensor has its parameter's shape, written once (by data-parallel rank 0, whose
+        replica id is the model tensor's), read by every rank, which keeps its own slice.
+        """
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+        )
+
+        # {index of the parameter in self.model.params: its model ShardedTensor (or factory)}
+        by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model.params)
+        if is_loading:
+            state = [{key: torch.zeros(p.shape, dtype=MAIN_PARAMS_DTYPE)
+                      for key in OPTIMIZER_STATE_KEYS} for p in self.model.params]
+        else:
+            state = self._gathered_state()
+        return {"optimizer_steps": self._optimizer_steps(), "param_state": {
+            key: {str(i): make_sharded_optimizer_tensor(by_index[i], tensors[key],
+                                                        f"optimizer.state.{key}")
+                  for i, tensors in enumerate(state)}
+            for key in OPTIMIZER_STATE_KEYS}}
+
+    def _optimizer_steps(self) -> int:
+        """Adam's step count (the same for every parameter; skipped steps do not count)."""
+        for *_, master in self.pieces:
+            if "step" in self.adam.state[master]:
+                return int(self.adam.state[master]["step"])
+        return 0
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take this rank's slices of loaded full tensors (from sharded_state_dict(is_loading))."""
+        params, optimizer_steps = state_dict["param_state"], state_dict["optimizer_steps"]
+        for i, a, b, master in self.pieces:
+            master.copy_(params["fp32_param"][str(i)].reshape(-1)[a:b])
+            self.adam.state[master] = {
+                "step": torch.tensor(float(optimizer_steps)),
+                **{key: params[key][str(i)].reshape(-1)[a:b].clone()
+                   for key in ("exp_avg", "exp_avg_sq")}}
+            start = self.layout.offsets[i]
+            self.model.param_data[start + a:start + b].copy_(master)
+        self.model.gather_params()
+
+
+def build_data_parallel_model(module: torch.nn.Module, trainer_cfg, ctx):
+    """Cast the model to BF16, wrap it for data parallelism and build its optimizer.
+
+    Returns (model, optimizer) with one interface on every device; sets the hooks megatron's
+    schedules call (`config.finalize_model_grads_func`, and on GPUs `no_sync_func` and
+    `grad_sync_func`, as Megatron-LM's `training.py` does).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    config = module.config
+    module = Float16Module(config, module)  # BF16 params; fp32 outputs on the last stage
+    distributed = trainer_cfg.distributed_optimizer
+    if uses_megatron_ddp(ctx.device):
+        model, optimizer = _megatron_ddp_and_optimizer(module, config, trainer_cfg)
+    else:
+        model = BufferedDataParallel(module, data_parallel_group=ps.get_data_parallel_group(),
+                                     use_distributed_optimizer=distributed)
+        optimizer = MixedPrecisionOptimizer(
+            model, lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay,
+            betas=(trainer_cfg.adam_beta1, trainer_cfg.adam_beta2), eps=trainer_cfg.adam_eps,
+            model_parallel_group=ps.get_model_parallel_group())
+    config.finalize_model_grads_func = finalize_model_grads
+    return model, optimizer
+
+
+def _megatron_ddp_and_optimizer(module, config, trainer_cfg):
+    """megatron-core's DistributedDataParallel and optimizer, configured as Megatron-LM's --bf16."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    distributed = trainer_cfg.distributed_optimizer
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=distributed)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=trainer_cfg.lr, min_lr=trainer_cfg.min_lr,
+            weight_decay=trainer_cfg.weight_decay, adam_beta1=trainer_cfg.adam_beta1,
+            adam_beta2=trainer_cfg.adam_beta2, adam_eps=trainer_cfg.adam_eps,
+            clip_grad=trainer_cfg.grad_clip, bf16=True, params_dtype=PARAMS_DTYPE,
+            use_distributed_optimizer=distributed),
+        [model])
+    # As Megatron-LM's training.py: the schedule defers the grad reduction to the last
+    # micro-batch and starts it in buckets while the backward runs.
+    config.no_sync_func = model.no_sync
+    config.grad_sync_func = model.start_grad_sync
+    config.grad_scale_func = optimizer.scale_loss  # 1.0 in BF16 (no loss scaler)
+    return model, optimizer
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of FP32 master weights and Adam's two FP32 moments this rank holds.
+
+    Counted from the optimizer's parameter groups (the master copies, or this rank's shards of
+    them under the distributed optimizer), so it does not depend on Adam's lazy allocation.
+    """
+    numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    return numel * 4 * len(OPTIMIZER_STATE_KEYS)
