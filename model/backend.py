@@ -1,9 +1,10 @@
 """Which layer spec and GEMM backend a run uses, and why: one pure decision over a probed machine.
 
 - TE spec + TE GEMMs: Transformer Engine runs the precision's recipe on this GPU (TE's own
-  check), and mamba_ssm + causal_conv1d import (megatron's MambaMixer, which the TE spec uses,
-  raises ImportError without mamba_ssm, mc 0.16.1 ssm/mamba_mixer.py:173-176; its fused default
-  path, `use_mamba_mem_eff_path`, needs causal_conv1d).
+  check), and mamba_ssm imports (megatron's MambaMixer, which the TE spec uses, raises
+  ImportError without it, mc 0.16.1 ssm/mamba_mixer.py:173-176). causal_conv1d is used when it
+  imports: with `use_mamba_mem_eff_path=False` (model/build.py) megatron's mixer falls back to
+  PyTorch's conv1d without it (ssm/mamba_mixer.py:801-802 in 0.16.1, :913 in 0.19.0).
 - Otherwise the portable spec, GEMMs emulated by nvfp4_recipe; on CUDA its Mamba mixer still uses
   each mamba_ssm / causal_conv1d kernel that imports (model/mamba_mixer.py).
 
@@ -48,11 +49,8 @@ def _te_spec_problem(machine: Machine) -> str:
     te_ok, te_why = machine.te_recipe
     if not te_ok:
         return te_why
-    missing = [name for name, ok in (("mamba_ssm", machine.mamba_ssm),
-                                     ("causal_conv1d", machine.causal_conv1d)) if not ok]
-    if missing:
-        return (f"{' and '.join(missing)} not importable (the TE spec's Mamba mixer needs "
-                "mamba_ssm and causal_conv1d)")
+    if not machine.mamba_ssm:
+        return "mamba_ssm not importable (the TE spec's Mamba mixer needs it)"
     return ""
 
 
@@ -89,8 +87,9 @@ def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine
         return BackendChoice("portable", "emulated", f"portable spec: {problem}{kernels}")
     major, minor = machine.capability
     why = asked_te[0] if asked_te else f"compute capability {major}.{minor}"
-    return BackendChoice("te", "te",
-                         f"TE spec: {why}; transformer_engine, mamba_ssm and causal_conv1d usable")
+    conv = "causal_conv1d" if machine.causal_conv1d else "PyTorch conv1d (no causal_conv1d)"
+    return BackendChoice("te", "te", f"TE spec: {why}; transformer_engine and mamba_ssm usable, "
+                                     f"Mamba convolution: {conv}")
 
 
 def probe_machine(precision: PrecisionConfig) -> Machine:

@@ -26,8 +26,16 @@ def precision(backend: str = "auto", fmt: str = "nvfp4") -> PrecisionConfig:
 def test_te_spec_where_everything_runs():
     choice = select_backend(NVFP4, "auto", B200)
     assert (choice.spec, choice.gemm_backend) == ("te", "te")
-    assert choice.reason == ("TE spec: compute capability 10.0; transformer_engine, mamba_ssm and "
-                             "causal_conv1d usable")
+    assert choice.reason == ("TE spec: compute capability 10.0; transformer_engine and mamba_ssm "
+                             "usable, Mamba convolution: causal_conv1d")
+
+
+def test_te_spec_without_causal_conv1d_uses_pytorch_conv():
+    """megatron's non-fused mixer (use_mamba_mem_eff_path=False) needs only mamba_ssm."""
+    choice = select_backend(NVFP4, "auto", Machine((10, 0), (True, ""), mamba_ssm=True,
+                                                   causal_conv1d=False))
+    assert (choice.spec, choice.gemm_backend) == ("te", "te")
+    assert choice.reason.endswith("Mamba convolution: PyTorch conv1d (no causal_conv1d)")
 
 
 @pytest.mark.parametrize(
@@ -35,11 +43,8 @@ def test_te_spec_where_everything_runs():
     [(CPU, "portable spec: no CUDA device"),
      # issue 12, F: TE without mamba_ssm used to pick the TE spec, whose MambaMixer raises
      (Machine((10, 0), (True, ""), mamba_ssm=False, causal_conv1d=False),
-      "portable spec: mamba_ssm and causal_conv1d not importable (the TE spec's Mamba mixer "
-      "needs mamba_ssm and causal_conv1d); Mamba mixer: PyTorch SSD scan and norm, PyTorch conv1d"),
-     (Machine((10, 0), (True, ""), mamba_ssm=True, causal_conv1d=False),
-      "portable spec: causal_conv1d not importable (the TE spec's Mamba mixer needs mamba_ssm and "
-      "causal_conv1d); Mamba mixer: mamba_ssm SSD scan and gated norm, PyTorch conv1d"),
+      "portable spec: mamba_ssm not importable (the TE spec's Mamba mixer needs it); Mamba "
+      "mixer: PyTorch SSD scan and norm, PyTorch conv1d"),
      # issue 12, E: TE's own verdict on the recipe
      (Machine((9, 0), (False, "FP8 block scaling needs CUDA 12.9 or newer, found 12.4"),
               mamba_ssm=True, causal_conv1d=True),
@@ -111,7 +116,7 @@ def test_choose_backend_on_blackwell_with_te_but_no_mamba_ssm(monkeypatch):
     _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")}, kernels=())
     backend, reason = choose_backend(NVFP4)
     assert backend == "emulated"
-    assert reason.startswith("portable spec: mamba_ssm and causal_conv1d not importable")
+    assert reason.startswith("portable spec: mamba_ssm not importable")
     _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
               kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
     assert choose_backend(NVFP4)[0] == "te"

@@ -175,3 +175,18 @@ def test_gpu_wiring_is_megatron_lm_bf16(monkeypatch):
     assert config.grad_scale_func is optimizer.scale_loss
     assert mp.uses_megatron_ddp(torch.device("cuda", 0))
     assert not mp.uses_megatron_ddp(torch.device("cpu"))
+
+
+def test_optimizer_layouts_that_cannot_load_each_other_are_refused(tmp_path):
+    """megatron's two optimizers and the CPU twin write different keys: a resume across them is
+    refused with the reason, before anything is read (the CPU twin reads its own either way)."""
+    import json
+
+    from training.checkpoint import MANIFEST, load_checkpoint
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert mp.optimizer_checkpoint_format(cpu, True) == mp.optimizer_checkpoint_format(cpu, False)
+    assert mp.optimizer_checkpoint_format(gpu, True) != mp.optimizer_checkpoint_format(gpu, False)
+    (tmp_path / MANIFEST).write_text(json.dumps({"optimizer_format": "megatron-distributed"}))
+    with pytest.raises(ValueError, match="'megatron-distributed' layout.*'cpu-twin'"):
+        load_checkpoint(tmp_path, None, None, None, "cpu-twin")

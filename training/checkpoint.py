@@ -5,7 +5,7 @@ Layout of one checkpoint:
                          distributed checkpoint (torch_dist): every tensor keyed by its global
                          shape and offset, the optimizer's by its parameter's (megatron's
                          'fully_reshardable' layout), so it loads into any tensor/pipeline/data
-                         layout, with or without the distributed optimizer
+                         layout written by the same kind of optimizer (manifest: optimizer_format)
   rng_rank{r}.pt         each rank's RNG state (stochastic rounding draws from it)
   trainer.pt             step, scheduler, data-loader state, W&B id, counters (rank 0)
   manifest.json          every file's size and SHA-256 and the layout; written last
@@ -75,7 +75,7 @@ def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
 
 
 def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
-                    optimizer, trainer_state: dict,
+                    optimizer, optimizer_format: str, trainer_state: dict,
                     keep_last: int) -> Path:
     from megatron.core import dist_checkpointing
 
@@ -100,7 +100,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     if ctx.is_main:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
-                    "pipeline": ctx.pipeline,
+                    "pipeline": ctx.pipeline, "optimizer_format": optimizer_format,
                     "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
                                                         "sha256": _sha256(p)}
                               for p in files}}
@@ -164,13 +164,20 @@ def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
 
 
 def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
-                    optimizer) -> dict[str, Any]:
+                    optimizer, optimizer_format: str) -> dict[str, Any]:
     """Load model and optimizer in place (any TP/PP/DP layout); return trainer state and RNG.
 
     `model` is the unwrapped megatron model whose parameters the optimizer was built on.
     """
     from megatron.core import dist_checkpointing
 
+    manifest = json.loads((path / MANIFEST).read_text())
+    saved_format = manifest.get("optimizer_format", optimizer_format)
+    if saved_format != optimizer_format:
+        raise ValueError(
+            f"checkpoint {path} holds optimizer state in the {saved_format!r} layout and this "
+            f"run writes {optimizer_format!r}: resume on the same kind of device with the same "
+            "trainer.distributed_optimizer (on GPUs megatron's two optimizers differ)")
     trainer = torch.load(path / "trainer.pt", weights_only=True)
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
                                      str(path / "dist"))
@@ -180,7 +187,6 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
         raise ValueError(f"checkpoint {path} does not fit this model: missing {real_missing}, "
                          f"unexpected {unexpected}")
     optimizer.load_state_dict(loaded["optimizer"])
-    manifest = json.loads((path / MANIFEST).read_text())
     same_layout = manifest["world_size"] == ctx.world_size and (
         manifest["tensor"], manifest["pipeline"]) == (ctx.tensor, ctx.pipeline)
     rng_file = path / f"rng_rank{ctx.rank}.pt"

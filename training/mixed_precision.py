@@ -38,6 +38,18 @@ def uses_megatron_ddp(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def optimizer_checkpoint_format(device: torch.device, distributed_optimizer: bool) -> str:
+    """The layout a run writes its optimizer state in; only the same layout can be loaded.
+
+    The CPU twin writes one layout with or without sharding; megatron's two optimizers write
+    their own (`distrib_optimizer.py` and `optimizer.py` sharded_state_dict, core 0.16.1), which
+    differ from each other and from the twin's in keys and structure.
+    """
+    if not uses_megatron_ddp(device):
+        return "cpu-twin"
+    return "megatron-distributed" if distributed_optimizer else "megatron"
+
+
 def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """megatron's default rule: no weight decay on biases and 1-D parameters (norms, A, D, dt)."""
     return name.endswith(".bias") or param.ndim < 2

@@ -25,9 +25,9 @@ def wsd_lr_factor(step: int, cfg: TrainerConfig) -> float:
 
 class WSDScheduler:
     """Sets each param group's `lr` and `weight_decay` as megatron's OptimizerParamScheduler does
-    (`optimizer_param_scheduler.py:292-294`, core 0.16.1): lr x the group's `lr_mult`, weight
-    decay x its `wd_mult` (0 for biases and 1-D parameters; megatron's optimizer leaves the
-    decay of such groups to the scheduler). step() after each optimizer step."""
+    (`optimizer_param_scheduler.py:292-294`, core 0.16.1): the weight decay x the group's
+    `wd_mult` (0 for biases and 1-D parameters; megatron's optimizer leaves the decay of such
+    groups to the scheduler). step() after each optimizer step."""
 
     def __init__(self, optimizer, cfg: TrainerConfig):
         self.optimizer, self.cfg = optimizer, cfg
@@ -37,7 +37,7 @@ class WSDScheduler:
     def _apply(self) -> None:
         factor = wsd_lr_factor(self.last_step, self.cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr * factor * group.get("lr_mult", 1.0)
+            group["lr"] = self.cfg.lr * factor
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
 
     def step(self) -> None:

@@ -26,7 +26,8 @@ from .config import TrainConfig, validate
 from .distributed import ParallelContext, init_distributed, shutdown
 from .metrics import (MetricsSink, data_line, render, setup_logging, start_wandb,
                       status_line)
-from .mixed_precision import PARAMS_DTYPE, build_data_parallel_model, optimizer_state_bytes
+from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
+                              optimizer_checkpoint_format, optimizer_state_bytes)
 from .optim import WSDScheduler
 from .pipeline import run_micro_batches
 
@@ -114,6 +115,7 @@ class Trainer:
         self.core = self.built.module.to(ctx.device)  # the unwrapped megatron model
         # BF16 weights, FP32 main grads and master weights (megatron's DDP and optimizer on GPUs).
         self.model, self.optimizer = build_data_parallel_model(self.core, tr, ctx)
+        self.optimizer_format = optimizer_checkpoint_format(ctx.device, tr.distributed_optimizer)
         self.scheduler = WSDScheduler(self.optimizer, tr)
         self.weight_caches = modules_with_weight_cache(self.core)  # TE's quantized weights
         # Different stochastic-rounding draws per data-parallel replica, identical otherwise.
@@ -156,6 +158,7 @@ class Trainer:
             return
         path = ckpt.save_checkpoint(
             self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
+            optimizer_format=self.optimizer_format,
             trainer_state=self.state(), keep_last=self.cfg.trainer.keep_last)
         log.info(f"saved checkpoint {path}")
 
@@ -163,7 +166,8 @@ class Trainer:
         path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer,
+                                     self.optimizer_format)
         trainer = state["trainer"]
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.train.load_state_dict(trainer["data"])
