@@ -190,3 +190,11 @@ def test_optimizer_layouts_that_cannot_load_each_other_are_refused(tmp_path):
     (tmp_path / MANIFEST).write_text(json.dumps({"optimizer_format": "megatron-distributed"}))
     with pytest.raises(ValueError, match="'megatron-distributed' layout.*'cpu-twin'"):
         load_checkpoint(tmp_path, None, None, None, "cpu-twin")
+
+
+def test_a_group_of_one_leaves_the_environment_to_child_processes(ctx):
+    """A rendezvous port in os.environ would be inherited by every process started later (the
+    test suite's trainers all tried to listen on the in-process group's port)."""
+    import os
+
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)

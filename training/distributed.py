@@ -48,12 +48,14 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> Paral
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python train.py`: a group of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        if "RANK" in os.environ:  # torchrun / srun set the rendezvous
+            dist.init_process_group(backend=backend)
+        else:  # plain `python train.py`: a group of one. The environment is left untouched, so
+            # processes this one starts (tests, launchers) do not inherit its rendezvous port.
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tensor * pipeline):
         raise ValueError(
