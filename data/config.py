@@ -113,6 +113,8 @@ def validate_config(cfg: DataConfig, check_files: bool = False, demo_dir: Option
     """Raise DataConfigError naming the first bad key. ``check_files``: also require every
     non-demo prefix (and the tokenizer) on disk; demo prefixes are checked when ``demo_dir`` is
     given."""
+    if check_files:  # first: a missing tokenizer is the problem, not what disagrees with it
+        _check_tokenizer_exists(cfg)
     if not cfg.categories:
         raise DataConfigError(
             "data.categories is empty: define at least one category with prefixes, "
@@ -227,12 +229,7 @@ def resolve_prefix(prefix: str, demo_dir: Optional[str]) -> str:
 
 def check_files_exist(cfg: DataConfig, demo_dir: Optional[str] = None) -> None:
     """Raise MissingDataError naming the first missing dataset file or tokenizer."""
-    if cfg.tokenizer is not None and not os.path.isfile(os.path.expanduser(cfg.tokenizer)):
-        raise MissingDataError(
-            f"data.tokenizer = {cfg.tokenizer!r}: file not found. Train one with "
-            f"`python -m data.prepare INPUT... --output PREFIX --train-tokenizer 32768` "
-            f"(saved as tokenizer.json next to PREFIX), or set data.tokenizer=null for the demo tokenizer"
-        )
+    _check_tokenizer_exists(cfg)
     entries = [(f"data.categories.{c}.prefixes[{j}]", p) for c, cc in cfg.categories.items() for j, p in enumerate(cc.prefixes)]
     entries += [(f"data.validation.{g}[{j}]", p) for g, ps in cfg.validation.items() for j, p in enumerate(ps)]
     for key, p in entries:
@@ -246,3 +243,12 @@ def check_files_exist(cfg: DataConfig, demo_dir: Optional[str] = None) -> None:
                 f"Prepare it with `python -m data.prepare INPUT.jsonl... --tokenizer TOKENIZER.json "
                 f"--output {path}`"
             )
+
+
+def _check_tokenizer_exists(cfg: DataConfig) -> None:
+    if cfg.tokenizer is not None and not os.path.isfile(os.path.expanduser(cfg.tokenizer)):
+        raise MissingDataError(
+            f"data.tokenizer = {cfg.tokenizer!r}: file not found. Train one with "
+            f"`python -m data.prepare INPUT... --output PREFIX --train-tokenizer 32768` "
+            f"(saved as tokenizer.json next to PREFIX), or set data.tokenizer=null for the demo tokenizer"
+        )

@@ -29,7 +29,6 @@ import random
 import shutil
 import sysconfig
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
@@ -174,7 +173,10 @@ def ensure_demo_corpus(cache_dir: str, cfg: Optional[DemoConfig] = None, show_pr
     if os.path.isfile(os.path.join(final, "manifest.json")):
         return _load(final, key, built=False)
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = os.path.join(cache_dir, f".tmp-demo-{key}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    from data.indexed import remove_dead_temporaries, writer_tag
+
+    remove_dead_temporaries(os.path.join(glob.escape(cache_dir), ".tmp-demo-*"))  # killed builds
+    tmp = os.path.join(cache_dir, f".tmp-demo-{key}-{writer_tag()}")
     try:
         _build(tmp, key, cfg, docs, show_progress)
         try:

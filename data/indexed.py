@@ -8,13 +8,16 @@ about missing TE/Apex; everything here imports it lazily, with those warnings si
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
+import re
+import socket
 import uuid
 import warnings
 from types import SimpleNamespace
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -82,6 +85,48 @@ def open_indexed(prefix: str):
         return mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
+# A temporary's writer: "<pid>@<host>-<random>" inside its name (see writer_tag).
+_WRITER = re.compile(r"(?P<pid>\d+)@(?P<host>[^/@]+)-[0-9a-f]{8}")
+
+
+def writer_tag() -> str:
+    """Names this process's temporaries so that a later run can tell whether their writer died."""
+    return f"{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+def writer_is_dead(name: str) -> bool:
+    """True when `name` carries a writer tag of this host whose process no longer exists.
+
+    Temporaries of another host (a shared file system) or of a live process are left alone.
+    """
+    m = _WRITER.search(os.path.basename(name))
+    if m is None or m["host"] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(m["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+def remove_dead_temporaries(pattern: str) -> List[str]:
+    """Delete the files/directories matching `pattern` whose writer died; returns their paths."""
+    import shutil
+
+    removed = []
+    for path in sorted(glob.glob(pattern)):
+        if writer_is_dead(path):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            removed.append(path)
+    return removed
+
+
 def read_sidecar(prefix: str) -> Optional[Dict]:
     try:
         with open(prefix + ".json", encoding="utf-8") as f:
@@ -97,7 +142,9 @@ class IndexedWriter:
     The .bin is renamed before the .idx (and an old .idx is removed first when overwriting), so at
     every instant either the complete new pair exists or the .idx is missing: an interrupted run
     never leaves something that megatron would take for a complete dataset. Used as a context
-    manager, an exception (or KeyboardInterrupt) removes the temporary files.
+    manager, an exception (or KeyboardInterrupt) removes the temporary files; those of a writer
+    that was killed (their names carry its pid and host) are removed by the next writer of the
+    same prefix.
     """
 
     def __init__(self, prefix: str, vocab_size: int, overwrite: bool = False):
@@ -111,7 +158,9 @@ class IndexedWriter:
                 raise FileExistsError(
                     f"output exists: {', '.join(existing)} (pass --overwrite to replace it)"
                 )
-        self.tmp = f"{prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # What an earlier writer killed mid-way (SIGKILL, node loss) left behind.
+        self.removed_stale = remove_dead_temporaries(glob.escape(prefix) + ".tmp-*")
+        self.tmp = f"{prefix}.tmp-{writer_tag()}"
         self.dtype = token_dtype(vocab_size)
         self.builder = mcore().IndexedDatasetBuilder(self.tmp + ".bin", dtype=self.dtype)
         self.documents = 0

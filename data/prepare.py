@@ -10,9 +10,12 @@ per line (``line``) or per blank-line-separated paragraph (``paragraph``). Every
 tokenized and ends with the tokenizer's ``<|endoftext|>`` token.
 
 Bad input (malformed JSON, missing/non-string field, invalid UTF-8) is skipped, counted and
-reported with file:line; ``--strict`` stops at the first one (exit 1). The dataset is written under
-a temporary name and renamed into place at the end (.bin first, then .idx), so an interrupted run
-never leaves a dataset that looks complete. An existing output is refused unless ``--overwrite``.
+reported with file:line; ``--strict`` stops at the first one (exit 1); when every record is
+dropped, the "no documents" error gives the counts per reason. The dataset is written under a
+temporary name carrying the writer's pid and host and renamed into place at the end (.bin first,
+then .idx), so an interrupted run never leaves a dataset that looks complete; the temporaries of
+a run that was killed (SIGKILL, node loss) are removed by the next run on the same output. An
+existing output is refused unless ``--overwrite``.
 A sidecar ``PREFIX.json`` records the statistics and the tokenizer's hash.
 
 ``--train-tokenizer VOCAB`` first trains a byte-level BPE on the input documents and saves it as
@@ -286,6 +289,9 @@ def _run(args, files, kinds, prefix, out, err) -> int:
     init = (tok.to_str(), kinds, args.json_key)
     with IndexedWriter(prefix, tok.get_vocab_size(), overwrite=args.overwrite) as writer, \
             _progress(not args.no_progress, err) as progress:
+        for path in writer.removed_stale:
+            err.print(f"removed {path}: a temporary of a data.prepare that was killed",
+                      soft_wrap=True, markup=False, highlight=False)
         task = progress.add_task("tokenizing", total=total_bytes, docs=0, tokens=0, tps=0.0)
         if args.workers == 1:
             _init_worker(*init, single_thread=False)
@@ -317,7 +323,7 @@ def _run(args, files, kinds, prefix, out, err) -> int:
                 pool.join()
         stats.documents, stats.tokens = writer.documents, writer.tokens
         if stats.documents == 0:
-            _error("no documents in the input; no output written")
+            _error(f"no documents in the input: {_nothing_kept(stats)}; no output written")
             return 1
         elapsed = time.time() - t0
         sidecar = {
@@ -329,6 +335,18 @@ def _run(args, files, kinds, prefix, out, err) -> int:
         writer.commit(sidecar)
     _report(out, prefix, stats, elapsed, tok_path)
     return 0
+
+
+def _nothing_kept(stats: Stats) -> str:
+    """Why no document was kept: every record invalid or empty, with the counts."""
+    if stats.bad_total:
+        reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(stats.bad.items()))
+        empty = f" and {stats.empty:,} empty" if stats.empty else ""
+        return (f"all {stats.bad_total + stats.empty:,} records were dropped, "
+                f"{stats.bad_total:,} as invalid ({reasons}){empty}; first: {stats.bad_examples[0]}")
+    if stats.empty:
+        return f"all {stats.empty:,} records were empty"
+    return "the input files hold no records"
 
 
 def _progress(enabled: bool, console):

@@ -19,9 +19,10 @@
 #   SHUTDOWN_TIMEOUT seconds the trainers get to checkpoint after a signal before SIGKILL (300)
 #   PYTHON          interpreter (default: the repo's .venv/bin/python, else python3)
 #
-# Exit code: train.py's (the first rank to fail), 0 when every rank finished. SIGTERM or SIGUSR1
-# to this script (or to the trainers) makes every trainer finish its step, checkpoint and exit
-# 75 (preempted); the script then exits 75 and `run.resume=auto` continues the run next time.
+# Exit code: train.py's (the first rank to fail), 0 when every rank finished. SIGTERM, SIGUSR1 or
+# a first Ctrl-C (SIGINT) to this script (or to the trainers) makes every trainer finish its step,
+# checkpoint and exit 75 (preempted); the script then exits 75 and `run.resume=auto` continues the
+# run next time. A second Ctrl-C stops the trainers at once (130).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-$( [[ -x $REPO/.venv/bin/python ]] && echo "$REPO/.venv/bin/python" || echo python3)}
@@ -31,7 +32,7 @@ args=(--nnodes "${NNODES:-1}" --nproc-per-node "$(( NPROC_PER_NODE > 0 ? NPROC_P
       --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:-localhost:0}"
       --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-nvfp4}}" --max-restarts 0
       --local-ranks-filter "${LOG_RANK-0}" --tee 3 --shutdown-timeout "$SHUTDOWN_TIMEOUT"
-      --signals-to-handle SIGINT,SIGHUP,SIGQUIT)  # SIGTERM/SIGUSR1: handled below
+      --signals-to-handle SIGHUP,SIGQUIT)  # SIGTERM/SIGUSR1/SIGINT: handled below
 [[ -n ${NODE_RANK:-} ]] && args+=(--node-rank "$NODE_RANK")
 overrides=()
 if [[ -n ${RUN_DIR:-} ]]; then
@@ -41,7 +42,8 @@ if [[ -n ${RUN_DIR:-} ]]; then
 fi
 cd "$REPO"
 # torchrun itself answers SIGTERM with SIGTERM-then-SIGKILL to the workers and exits 1 whatever
-# they returned. This agent passes SIGTERM/SIGUSR1 on to the trainers, keeps watching them (SIGKILL
+# they returned. This agent passes SIGTERM/SIGUSR1/SIGINT on to the trainers (each in a session of
+# its own: a terminal's Ctrl-C reaches them only this way, once), keeps watching them (SIGKILL
 # after SHUTDOWN_TIMEOUT) and exits with the first failing rank's code: 75 after a preemption.
 exec "$PYTHON" -c '
 import os, signal, sys, threading, psutil
@@ -56,7 +58,7 @@ def forward(signum, _frame):
     kill = threading.Timer(float(os.environ["SHUTDOWN_TIMEOUT"]), to_workers, [signal.SIGKILL])
     kill.daemon = True
     kill.start()
-for sig in (signal.SIGTERM, signal.SIGUSR1):
+for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
     signal.signal(sig, forward)
 try:
     main(sys.argv[1:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +42,22 @@ class ModelConfig:
     spec: str = "auto"
 
     def validate(self) -> None:
+        for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "kv_channels", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
+                    "mamba_num_groups", "mamba_chunk_size", "vocab_multiple",
+                    "max_sequence_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 1 (or null: the "
+                             "tokenizer's)")
+        for key in ("init_method_std", "layernorm_epsilon"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model.{key}={value} must be a finite number > 0")
+        for key in ("bf16_first_layers", "bf16_last_layers"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0")
         bad = sorted({c for c in self.pattern if c not in LAYER_SYMBOLS})
         if not self.pattern or bad:
             raise ValueError(

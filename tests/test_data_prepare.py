@@ -158,3 +158,69 @@ def test_workers_give_identical_output(tmp_path, tiny_tokenizer):
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"w1{ext}").read_bytes() == (tmp_path / f"w2{ext}").read_bytes()
     assert json.loads((tmp_path / "w2.json").read_text())["bad_records"] == {"malformed JSON": 1}
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # exited and reaped: nothing runs under this pid now
+    return proc.pid
+
+
+def test_temporaries_of_a_dead_writer_are_removed_by_the_next_run(tmp_path, tiny_tokenizer, capsys):
+    """A writer killed mid-way leaves PREFIX.tmp-<pid>@<host>-*: the next run on that prefix removes
+    them when the pid is dead on this host; a live writer's and another host's stay."""
+    import socket
+
+    _jsonl(tmp_path / "in.jsonl", TEXTS)
+    out = tmp_path / "ds"
+    host = socket.gethostname()
+    dead = [f"ds.tmp-{_dead_pid()}@{host}-0123abcd{ext}" for ext in (".bin", ".idx")]
+    alive = f"ds.tmp-{os.getpid()}@{host}-4567cdef.bin"
+    elsewhere = f"ds.tmp-{_dead_pid()}@not-{host}-89abcdef.bin"
+    for name in (*dead, alive, elsewhere):
+        (tmp_path / name).write_bytes(b"half a dataset")
+    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
+                      "--no-progress"]) == 0
+    left = sorted(p for p in os.listdir(tmp_path) if ".tmp-" in p)
+    assert left == sorted([alive, elsewhere])
+    assert f"removed {tmp_path / dead[0]}" in capsys.readouterr().err
+    assert _decode_all(str(out), tiny_tokenizer) == TEXTS
+
+
+@pytest.mark.slow
+def test_sigkill_mid_way_then_a_rerun_leaves_no_temporaries(tmp_path, tiny_tokenizer):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    texts = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 40 + 1) for i in range(60000)]
+    _jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "ds"
+    args = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
+            "--no-progress", "--batch-bytes", "20000"]
+    proc = subprocess.Popen([sys.executable, "-m", "data.prepare", *args],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    deadline = time.time() + 120
+    while not [p for p in os.listdir(tmp_path) if ".tmp-" in p]:
+        assert proc.poll() is None and time.time() < deadline, "no temporary appeared"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not _no_tmp(tmp_path) and not dataset_exists(str(out))  # what the kill left
+    assert prep.main(args) == 0
+    assert _no_tmp(tmp_path) and dataset_exists(str(out))
+
+
+def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_tokenizer, capsys):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\nna\xefve\n\xff\xfe\n")
+    rc = prep.main([str(tmp_path / "latin1.txt"), "--tokenizer", tiny_tokenizer, "--text-doc", "line",
+                    "--output", str(tmp_path / "ds"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "no documents in the input: all 3 records were dropped, 3 as invalid (3 invalid UTF-8)" in err
+    assert "latin1.txt:1: invalid UTF-8 at byte 3" in err
+    assert not dataset_exists(str(tmp_path / "ds")) and _no_tmp(tmp_path)

@@ -94,6 +94,10 @@ def test_corrupt_or_torn_latest_checkpoint_falls_back_to_the_previous(tmp_path, 
     assert "step_0000006 is unusable: no manifest" in log
     assert "step_0000004 is unusable" in log and "resumed from" in log
     assert "step_0000002" in log
+    # saving step 4 again moved the corrupt one aside instead of deleting it
+    (aside,) = root.glob("abandoned-*")
+    assert (aside / "step_0000004" / "dist" / "__0_0.distcp").read_bytes() == bytes(data)
+    assert verify_checkpoint(root / "step_0000004") is None
 
 
 @pytest.mark.slow
@@ -103,7 +107,10 @@ def test_nan_loss_stops_or_skips_and_never_checkpoints_nan_weights(tmp_path, dat
     # An absurd learning rate without clipping blows the weights up within a few steps.
     proc = run_train(run_dir, *FAST, "trainer.max_steps=6", "trainer.save_every=1",
                      "trainer.eval_every=100", "trainer.lr=1e12", "trainer.grad_clip=0",
-                     "trainer.warmup_steps=0", f"trainer.on_nan={policy}", cache_dir=data_cache)
+                     "trainer.warmup_steps=0", f"trainer.on_nan={policy}",
+                     # every step after the first is skipped: let them all be (the limit is
+                     # test_checkpoint_safety's)
+                     "trainer.max_consecutive_skips=10", cache_dir=data_cache)
     log = proc.stdout + proc.stderr
     metrics = [m for m in read_metrics(run_dir) if "loss" in m]
     if policy == "stop":

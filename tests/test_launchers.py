@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -79,6 +80,26 @@ def test_torchrun_sh_exits_with_train_py_exit_code(tmp_path, data_cache):
         env=launcher_env(tmp_path / "run", data_cache, NPROC_PER_NODE="1"),
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_sh_ctrl_c_checkpoints_and_exits_75(tmp_path, data_cache):
+    """A Ctrl-C at the launcher reaches every trainer once: finish the step, checkpoint, exit 75."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(TORCHRUN_SH), *FAST, "trainer.max_steps=50", "trainer.save_every=100",
+         "trainer.eval_every=100"], cwd=tmp_path,
+        env=launcher_env(run_dir, data_cache, NPROC_PER_NODE="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and train_steps(run_dir)):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    stopped_at = train_steps(run_dir)[-1]
+    assert stopped_at < 50 and (run_dir / "checkpoints" / f"step_{stopped_at:07d}").is_dir(), out
 
 
 def submit(tmp_path: Path, data_cache: Path, run_dir: Path, sbatch_args: list[str],

@@ -11,8 +11,13 @@ Layout of one checkpoint:
   manifest.json          every file's size and SHA-256 and the layout; written last
 Each checkpoint is written into a hidden temporary directory and renamed into place only
 after every rank finished, so a crash leaves either a complete checkpoint or none. Loading
-verifies the manifest and falls back to the previous checkpoint if the latest is torn.
-Everything is loaded with `torch.load(weights_only=True)`: no code runs from a checkpoint.
+verifies the manifest and falls back to the previous checkpoint if the latest is torn; when
+checkpoints exist and none is usable the run stops (NoUsableCheckpoint) instead of starting over.
+No code runs from a checkpoint: the .pt files load with `torch.load(weights_only=True)` and the
+distributed checkpoint through `safe_load` (its pickled metadata with an allow-listed unpickler).
+Nothing is deleted but by `keep_last` retention, which never evicts the newest checkpoint written
+with no skipped step since the one before it; a checkpoint this run no longer uses (a restart, an
+unusable one at a step being saved again) is moved to checkpoints/abandoned-<UTC time>/.
 """
 
 from __future__ import annotations
@@ -21,18 +26,30 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from .distributed import ParallelContext, barrier
+from .safe_load import CheckpointRefused  # noqa: F401  (raised from here, caught by the trainer)
 
 log = logging.getLogger("nvfp4_pretrain")
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
+ABANDONED = "abandoned-"
+
+
+class NoUsableCheckpoint(Exception):
+    """run.dir holds checkpoints and none of them can be resumed from."""
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint was written for another model (shapes or keys differ)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -76,13 +93,15 @@ def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
 
 def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
                     optimizer, optimizer_format: str, trainer_state: dict,
-                    keep_last: int) -> Path:
+                    keep_last: int, skipped_since_previous: int = 0) -> Path:
+    """Write step_N atomically; `skipped_since_previous` (steps skipped for a non-finite loss
+    since the previous checkpoint) goes into the manifest: 0 marks a clean checkpoint."""
     from megatron.core import dist_checkpointing
 
     from model.compat import cpu_dist_checkpoint_save
 
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}"
+    tmp = root / _broadcast_str(f".tmp-{step_dir_name(step)}-{os.uname().nodename}-{os.getpid()}", ctx)
     if ctx.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -101,24 +120,64 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
                     "pipeline": ctx.pipeline, "optimizer_format": optimizer_format,
+                    "skipped_since_previous": skipped_since_previous,
                     "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
                                                         "sha256": _sha256(p)}
                               for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if final.exists():  # a re-save of the same step (e.g. after a resume)
-            shutil.rmtree(final)
+        if final.exists():  # an unusable checkpoint the resume skipped: kept, out of the way
+            set_aside(root, [final], "it is unusable and this step is being saved again")
         os.replace(tmp, final)
         _apply_retention(root, keep_last)
     barrier()
     return final
 
 
+def _is_clean(path: Path) -> bool:
+    """Written with no step skipped (non-finite loss) since the previous checkpoint."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("skipped_since_previous", 0) == 0
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _apply_retention(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints and the newest clean one."""
     if keep_last <= 0:
         return
     complete = [d for d in sorted(root.glob(f"{PREFIX}*")) if (d / MANIFEST).exists()]
-    for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(complete[-keep_last:])
+    clean = [d for d in complete if _is_clean(d)]
+    if clean:
+        keep.add(clean[-1])  # checkpoints after skipped steps never push the last good one out
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(root: Path, dirs: list[Path], why: str) -> Path:
+    """Move checkpoint directories to root/abandoned-<UTC time>/ (rank 0); nothing is deleted."""
+    target = root / f"{ABANDONED}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    target.mkdir(parents=True, exist_ok=True)
+    for d in dirs:
+        dest, n = target / d.name, 1
+        while dest.exists():
+            dest, n = target / f"{d.name}.{n}", n + 1
+        os.replace(d, dest)
+    log.warning(f"moved {', '.join(d.name for d in dirs)} to {target} ({why})")
+    return target
+
+
+def set_aside_for_restart(root: Path, ctx: ParallelContext) -> Optional[Path]:
+    """run.resume=restart: this run's checkpoints start again at step 1; the old ones are kept."""
+    moved = ""
+    if ctx.is_main and root.exists():
+        old = sorted(root.glob(f"{PREFIX}*"))
+        if old:
+            moved = str(set_aside(root, old, "run.resume=restart"))
+    barrier()
+    moved = _broadcast_str(moved, ctx)
+    return Path(moved) if moved else None
 
 
 def verify_checkpoint(path: Path) -> Optional[str]:
@@ -128,16 +187,22 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         return "no manifest (the write never finished)"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
-        return f"unreadable manifest ({exc})"
-    for name, meta in manifest["files"].items():
+        files = {name: (int(meta["bytes"]), str(meta["sha256"]))
+                 for name, meta in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"unreadable manifest ({type(exc).__name__}: {exc})"
+    for name, (size, sha256) in files.items():
         file = path / name
         if not file.exists():
             return f"missing {name}"
-        if file.stat().st_size != meta["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, expected {meta['bytes']}"
-        if _sha256(file) != meta["sha256"]:
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, expected {size}"
+        if _sha256(file) != sha256:
             return f"{name} does not match its checksum"
+    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+    unlisted = sorted(present - set(files) - {MANIFEST})
+    if unlisted:
+        return f"files the manifest does not list: {', '.join(unlisted[:3])}"
     return None
 
 
@@ -154,13 +219,46 @@ def latest_valid_checkpoint(root: Path) -> Optional[Path]:
 
 
 def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
-    """Rank 0 picks (and verifies) the checkpoint; every rank loads the same one."""
-    chosen = ""
+    """Rank 0 picks (and verifies) the checkpoint; every rank loads the same one.
+
+    None when root holds no checkpoint; NoUsableCheckpoint (on every rank) when it holds some
+    and none is intact: starting over would silently throw the run away.
+    """
+    answer = {"path": ""}
     if ctx.is_main:
         found = latest_valid_checkpoint(root)
-        chosen = str(found) if found else ""
-    chosen = _broadcast_str(chosen, ctx)
-    return Path(chosen) if chosen else None
+        if found is not None:
+            answer["path"] = str(found)
+        elif root.exists() and any(root.glob(f"{PREFIX}*")):
+            names = sorted(p.name for p in root.glob(f"{PREFIX}*"))
+            answer["error"] = (
+                f"{root} holds {len(names)} checkpoint(s) ({names[0]} .. {names[-1]}) and none is "
+                "usable (see the warnings above); none was changed. Repair or restore one, or "
+                "set run.resume=restart to train again from step 0 (they are kept, moved to "
+                f"{root}/{ABANDONED}<time>/)")
+    answer = json.loads(_broadcast_str(json.dumps(answer), ctx))
+    if "error" in answer:
+        raise NoUsableCheckpoint(answer["error"])
+    return Path(answer["path"]) if answer["path"] else None
+
+
+def _load_pt(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointRefused(f"refusing {path}: {first}") from None
+
+
+def _mismatch_message(exc: BaseException) -> str:
+    from .safe_load import unwrap_checkpoint_exception
+
+    cause = unwrap_checkpoint_exception(exc)
+    text = str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)
+    first = text.strip().splitlines()[0] if text.strip() else type(cause).__name__
+    if " from model not in state dict:" in first:  # megatron lists every key of the checkpoint
+        first = first.split(":")[0] + " (the checkpoint has other layers)"
+    return first if len(first) <= 300 else first[:300] + " ..."
 
 
 def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
@@ -170,6 +268,10 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
     `model` is the unwrapped megatron model whose parameters the optimizer was built on.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .safe_load import strategies, vet_extra_state
 
     manifest = json.loads((path / MANIFEST).read_text())
     saved_format = manifest.get("optimizer_format", optimizer_format)
@@ -178,9 +280,18 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
             f"checkpoint {path} holds optimizer state in the {saved_format!r} layout and this "
             f"run writes {optimizer_format!r}: resume on the same kind of device with the same "
             "trainer.distributed_optimizer (on GPUs megatron's two optimizers differ)")
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
-                                     str(path / "dist"))
+    trainer = _load_pt(path / "trainer.pt")
+    try:
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
+                                         str(path / "dist"), **strategies())
+    except (CheckpointingException, CheckpointException, KeyError) as exc:
+        # megatron's shape check (strategies/torch.py:503-518) and torch's per-rank failures
+        # (torch/distributed/checkpoint/utils.py:194-221) come back as one of these
+        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: "
+                                 f"{_mismatch_message(exc)}; resume with the model it was "
+                                 "written with (see config.yaml in run.dir) or use another "
+                                 "run.dir") from None
+    vet_extra_state(loaded["model"], path / "dist")  # TE would pickle.loads it (GPU runs)
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
     if real_missing or unexpected:
@@ -191,6 +302,6 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
         manifest["tensor"], manifest["pipeline"]) == (ctx.tensor, ctx.pipeline)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     # Another layout draws other stochastic-rounding streams anyway: keep the fresh RNG then.
-    rng = torch.load(rng_file, weights_only=True) if same_layout and rng_file.exists() else None
+    rng = _load_pt(rng_file) if same_layout and rng_file.exists() else None
     return {"trainer": trainer, "rng": rng, "resharded": not same_layout,
             "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"])}

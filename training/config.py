@@ -7,6 +7,7 @@ fails at start-up with the key's full name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,8 +15,8 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig
 from model.config import ModelConfig
-from model.plan import PlanConfig
-from nvfp4_recipe.policy import PrecisionConfig
+from model.plan import PlanConfig, pipeline_stages
+from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers, validate_precision
 
 
 @dataclass
@@ -25,8 +26,11 @@ class RunConfig:
     # checkpoints/, wandb/, plan.json. All ranks must agree on it (the default is derived
     # from the name only, never a timestamp).
     dir: str = "runs/${run.name}"
-    # auto: continue from the latest complete checkpoint in run.dir if there is one;
-    # never: refuse a run.dir that already holds a run (nothing is overwritten).
+    # auto: continue from the latest complete checkpoint in run.dir if there is one; when
+    # run.dir holds checkpoints and none is usable, stop (exit 6) rather than start over;
+    # never: refuse a run.dir that already holds a run (nothing is overwritten);
+    # restart: train from step 0 in this run.dir, its checkpoints moved (not deleted) to
+    # checkpoints/abandoned-<UTC time>/ and metrics.jsonl appended to.
     resume: str = "auto"
     # Build on the meta device, print and write plan.json, train nothing.
     dry_run: bool = False
@@ -69,6 +73,8 @@ class TrainerConfig:
     keep_last: int = 3
     # What a NaN/Inf loss does: "stop" (exit code 4, no checkpoint) or "skip" the step.
     on_nan: str = "stop"
+    # With on_nan=skip: this many skipped steps in a row stop the run (exit code 4).
+    max_consecutive_skips: int = 3
     # Shard the FP32 master weights and Adam moments over the data-parallel ranks (megatron's
     # distributed optimizer): optimizer memory per rank / data-parallel size.
     distributed_optimizer: bool = False
@@ -109,6 +115,7 @@ def register_configs() -> None:
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field checks Hydra's types cannot express; each error names the key and a fix."""
+    check_ranges(cfg)
     cfg.model.validate()
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     if t < 1 or p < 1 or world_size % (t * p):
@@ -128,14 +135,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"trainer.seq_length={tr.seq_length} exceeds model.max_sequence_length="
             f"{cfg.model.max_sequence_length}"
         )
-    if cfg.run.resume not in ("auto", "never"):
-        raise ValueError(f"run.resume={cfg.run.resume!r}: choose auto or never")
+    if cfg.run.resume not in ("auto", "never", "restart"):
+        raise ValueError(f"run.resume={cfg.run.resume!r}: choose auto, never or restart")
     if cfg.logger.mode not in ("online", "offline", "disabled"):
         raise ValueError(f"logger.mode={cfg.logger.mode!r}: choose online, offline or disabled")
     if tr.on_nan not in ("stop", "skip"):
         raise ValueError(f"trainer.on_nan={tr.on_nan!r}: choose stop or skip")
-    if not 0.0 <= tr.decay_fraction <= 1.0:
-        raise ValueError(f"trainer.decay_fraction={tr.decay_fraction} must be in [0, 1]")
     if cfg.parallel.sequence:
         raise ValueError(
             "parallel.sequence=true is not supported with the portable spec (megatron's torch "
@@ -146,3 +151,59 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"parallel.context={cfg.parallel.context} is not supported with the hybrid model's "
             "portable spec; use 1"
         )
+    validate_precision(cfg.precision)
+    if cfg.precision.format != "bf16":
+        resolve_bf16_layers(cfg.precision, cfg.model.num_layers, cfg.model.bf16_first_layers,
+                            cfg.model.bf16_last_layers)
+    pipeline_stages(cfg.model.num_layers, p, cfg.parallel.first_stage_layers,
+                    cfg.parallel.last_stage_layers)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(key: str, value, ok: bool, rule: str) -> None:
+    if not (_number(value) and ok):
+        raise ValueError(f"{key}={value} {rule}")
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Every numeric key of the trainer, parallel and plan groups within its range (the model's,
+    data's and precision's own validators check theirs); run before anything is written."""
+    tr = cfg.trainer
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every",
+                "eval_every", "eval_batches", "save_every", "max_consecutive_skips"):
+        value = getattr(tr, key)
+        _check(f"trainer.{key}", value, value >= 1, "must be >= 1")
+    _check("trainer.warmup_steps", tr.warmup_steps, tr.warmup_steps >= 0, "must be >= 0")
+    _check("trainer.keep_last", tr.keep_last, tr.keep_last >= 0,
+           "must be >= 0 (0 keeps every checkpoint)")
+    _check("trainer.seed", tr.seed, 0 <= tr.seed < 2**31, "must be in [0, 2**31)")
+    _check("trainer.lr", tr.lr, tr.lr > 0, "must be a finite number > 0")
+    _check("trainer.min_lr", tr.min_lr, 0 <= tr.min_lr <= tr.lr,
+           f"must be in [0, trainer.lr={tr.lr}]")
+    _check("trainer.decay_fraction", tr.decay_fraction, 0 <= tr.decay_fraction <= 1,
+           "must be in [0, 1]")
+    _check("trainer.weight_decay", tr.weight_decay, tr.weight_decay >= 0, "must be >= 0")
+    _check("trainer.grad_clip", tr.grad_clip, tr.grad_clip >= 0, "must be >= 0 (0: no clipping)")
+    for key in ("adam_beta1", "adam_beta2"):
+        value = getattr(tr, key)
+        _check(f"trainer.{key}", value, 0 <= value < 1, "must be in [0, 1)")
+    _check("trainer.adam_eps", tr.adam_eps, tr.adam_eps > 0, "must be a finite number > 0")
+    par = cfg.parallel
+    for key in ("tensor", "pipeline", "context"):
+        value = getattr(par, key)
+        _check(f"parallel.{key}", value, value >= 1, "must be >= 1")
+    for key in ("first_stage_layers", "last_stage_layers"):
+        value = getattr(par, key)
+        if value is not None:
+            _check(f"parallel.{key}", value, value >= 1, "must be >= 1 (or null)")
+    plan = cfg.plan
+    if plan.gpus is not None:
+        _check("plan.gpus", plan.gpus, plan.gpus >= 1, "must be >= 1 (or null)")
+    if plan.total_tokens is not None:
+        _check("plan.total_tokens", plan.total_tokens, plan.total_tokens >= 1,
+               "must be >= 1 (or null)")
+    _check("plan.peak_tflops", plan.peak_tflops, plan.peak_tflops > 0, "must be > 0")
+    _check("plan.mfu", plan.mfu, 0 < plan.mfu <= 1, "must be in (0, 1]")

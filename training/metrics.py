@@ -110,6 +110,37 @@ def wandb_key(key: str) -> str:
     return "train/" + key
 
 
+class WandbUnavailable(Exception):
+    """logger.mode=online and W&B cannot be used (no API key, no answer from the server)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def check_wandb_online() -> None:
+    """Fail fast, before the run writes anything: an API key exists and the server accepts it.
+
+    Without a key this returns at once; without a network wandb gives up after ~10 s.
+    """
+    import inspect
+
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    no_prompt = {"prompt": False} if "prompt" in inspect.signature(wandb.login).parameters else {}
+    try:
+        logged_in = wandb.login(verify=True, **no_prompt)
+    except Exception as exc:  # noqa: BLE001 - wandb raises its own errors and plain ones
+        raise WandbUnavailable(
+            f"logger.mode=online: W&B did not accept the login ({_first_line(exc)}); check the "
+            "network and the API key, or use logger.mode=offline and `wandb sync` later") from None
+    if not logged_in:
+        raise WandbUnavailable(
+            "logger.mode=online but no W&B API key is configured: set WANDB_API_KEY or run "
+            "`wandb login`, or use logger.mode=offline (no account needed)")
+
+
 def start_wandb(run_dir: Path, mode: str, project: str, entity: Optional[str], name: str,
                 tags: list[str], config: dict, run_id: Optional[str]):
     """An offline-by-default W&B run in run_dir/wandb, resumed under the same id."""
@@ -120,8 +151,13 @@ def start_wandb(run_dir: Path, mode: str, project: str, entity: Optional[str], n
     wandb_dir = run_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(
-        project=project, entity=entity, name=name, tags=list(tags), config=config,
-        dir=str(run_dir), mode=mode, id=run_id, resume="allow" if run_id else None,
-        settings=wandb.Settings(console="off", x_disable_stats=True),
-    )
+    try:
+        return wandb.init(
+            project=project, entity=entity, name=name, tags=list(tags), config=config,
+            dir=str(run_dir), mode=mode, id=run_id, resume="allow" if run_id else None,
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+    except Exception as exc:  # noqa: BLE001 - CommError, UsageError, timeouts
+        raise WandbUnavailable(
+            f"logger.mode={mode}: wandb.init failed ({_first_line(exc)}); use "
+            "logger.mode=offline (and `wandb sync` later) or logger.mode=disabled") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -24,12 +25,14 @@ from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
 from .distributed import ParallelContext, init_distributed, shutdown
-from .metrics import (MetricsSink, data_line, render, setup_logging, start_wandb,
-                      status_line)
+from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line, render,
+                      setup_logging, start_wandb, status_line)
 from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
                               optimizer_checkpoint_format, optimizer_state_bytes)
 from .optim import WSDScheduler
 from .pipeline import run_micro_batches
+from .run_dir import (RunDirBusy, lock_run_dir, release_run_dir,
+                      remove_stale_checkpoint_temporaries)
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -40,9 +43,13 @@ class ExitCode:
     OK = 0
     CONFIG = 2  # an invalid value or combination of values
     MISSING_DATA = 3  # a data path that does not exist
-    DIVERGED = 4  # NaN/Inf loss with trainer.on_nan=stop
-    RUN_DIR_IN_USE = 5  # run.dir holds a run and run.resume=never
-    PREEMPTED = 75  # SIGTERM/SIGUSR1: checkpointed, resumable (EX_TEMPFAIL)
+    DIVERGED = 4  # NaN/Inf loss with on_nan=stop, or max_consecutive_skips with on_nan=skip
+    RUN_DIR_IN_USE = 5  # run.resume=never and run.dir holds a run, or another trainer holds it
+    NO_USABLE_CHECKPOINT = 6  # run.dir holds checkpoints and none can be resumed from
+    RUN_DIR_UNWRITABLE = 8  # run.dir (or data.cache_dir) cannot be created or written
+    WANDB_UNAVAILABLE = 9  # logger.mode=online without an API key or an answering server
+    PREEMPTED = 75  # SIGTERM/SIGUSR1/first SIGINT: checkpointed, resumable (EX_TEMPFAIL)
+    INTERRUPTED = 130  # a second SIGINT (Ctrl-C): stopped at once, no checkpoint
 
 
 class TrainingError(Exception):
@@ -52,21 +59,32 @@ class TrainingError(Exception):
 
 
 class StopSignal:
-    """SIGTERM/SIGUSR1 (preemption) recorded, to be acted on at the end of the current step.
+    """SIGTERM/SIGUSR1 (preemption) or a first SIGINT (Ctrl-C) recorded, to be acted on at the
+    end of the current step; a second SIGINT raises KeyboardInterrupt at once (exit 130).
 
     Installed first thing in `run()`, so a signal during start-up is not fatal either.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.name: Optional[str] = None
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._record)
+        self.interrupted = False  # a SIGINT arrived: the next one stops at once
+        self.previous = {sig: signal.signal(sig, self._record) for sig in self.SIGNALS}
+
+    def restore(self) -> None:
+        """The handlers from before (for a caller that goes on after `run()`)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _record(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
         self.name = signal.Signals(signum).name
-        log.warning(f"{self.name} received: finishing this step, then checkpointing")
+        log.warning(f"{self.name} received: finishing this step, then checkpointing"
+                    + (" (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""))
 
     def agreed(self, ctx: ParallelContext) -> bool:
         """Whether any rank was signalled: all ranks must stop at the same step."""
@@ -123,6 +141,8 @@ class Trainer:
 
         self.step = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # skipped steps in a row, up to trainer.max_consecutive_skips
+        self.skipped_at_last_save = 0  # skipped_steps when the previous checkpoint was written
         self.wandb_id: Optional[str] = None
         self.val_batches = self.data.validation_batches(tr.eval_batches)
         policy = self.built.policy
@@ -143,7 +163,8 @@ class Trainer:
     def state(self) -> dict:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(),
                 "data": self.data.train.state_dict(), "wandb_id": self.wandb_id,
-                "skipped_steps": self.skipped_steps, "consumed_tokens": self.consumed_tokens}
+                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+                "consumed_tokens": self.consumed_tokens}
 
     @property
     def consumed_tokens(self) -> int:
@@ -159,20 +180,29 @@ class Trainer:
         path = ckpt.save_checkpoint(
             self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
             optimizer_format=self.optimizer_format,
-            trainer_state=self.state(), keep_last=self.cfg.trainer.keep_last)
+            trainer_state=self.state(), keep_last=self.cfg.trainer.keep_last,
+            skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
+        self.skipped_at_last_save = self.skipped_steps
         log.info(f"saved checkpoint {path}")
 
     def resume(self) -> None:
-        path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
-        if path is None:
-            return
-        state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer,
-                                     self.optimizer_format)
+        """Continue from the newest intact checkpoint; refuse (exit 6) when none is usable."""
+        try:
+            path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
+            if path is None:
+                return
+            state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer,
+                                         self.optimizer_format)
+        except (ckpt.NoUsableCheckpoint, ckpt.CheckpointRefused) as exc:
+            raise TrainingError(str(exc), ExitCode.NO_USABLE_CHECKPOINT) from None
+        except ckpt.CheckpointMismatch as exc:
+            raise TrainingError(str(exc), ExitCode.CONFIG) from None
         trainer = state["trainer"]
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.train.load_state_dict(trainer["data"])
         self.step, self.wandb_id = trainer["step"], trainer["wandb_id"]
-        self.skipped_steps = trainer["skipped_steps"]
+        self.skipped_steps = self.skipped_at_last_save = trainer["skipped_steps"]
+        self.consecutive_skips = trainer.get("consecutive_skips", 0)
         if state["rng"] is not None:
             torch.set_rng_state(state["rng"]["cpu"])
             if state["rng"]["cuda"] is not None and torch.cuda.is_available():
@@ -216,9 +246,18 @@ class Trainer:
                     "stopping without a checkpoint (trainer.on_nan=skip skips such steps)",
                     ExitCode.DIVERGED)
             self.skipped_steps += 1
+            self.consecutive_skips += 1
+            limit = self.cfg.trainer.max_consecutive_skips
+            if self.consecutive_skips >= limit:
+                raise TrainingError(
+                    f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite, "
+                    f"{self.consecutive_skips} steps in a row (trainer.max_consecutive_skips="
+                    f"{limit}): the run diverged; stopping without a checkpoint (the newest clean "
+                    "one is kept)", ExitCode.DIVERGED)
             self.optimizer.zero_grad()
             self.scheduler.step()
             return StepResult(loss, grad_norm, lr, skipped=True)
+        self.consecutive_skips = 0
         self.optimizer.step_with_ready_grads()
         self.scheduler.step()
         return StepResult(loss, grad_norm, lr, skipped=False)
@@ -263,8 +302,11 @@ class Trainer:
         if self.stop.agreed(self.ctx):  # preempted while starting: nothing new to save
             log.warning("stopped before the first step; resume by running again")
             return ExitCode.PREEMPTED
+        set_aside = None
         if cfg.run.resume == "auto":
             self.resume()
+        elif cfg.run.resume == "restart":  # an explicit fresh start: old checkpoints kept aside
+            set_aside = ckpt.set_aside_for_restart(self.ckpt_root, self.ctx)
         wandb_run = None
         if self.ctx.is_main:
             wandb_run = start_wandb(
@@ -273,6 +315,8 @@ class Trainer:
                 self.wandb_id)
             self.wandb_id = wandb_run.id if wandb_run is not None else None
         sink = MetricsSink(self.run_dir, self.ctx.is_main, wandb_run)
+        if cfg.run.resume == "restart":  # metrics.jsonl: the steps that follow start over
+            sink.event(0, "restart", set_aside=str(set_aside) if set_aside else None)
         if self.step >= tr.max_steps:
             log.info(f"run already complete ({self.step}/{tr.max_steps} steps)")
         start_step, t_start = self.step, time.perf_counter()
@@ -323,25 +367,93 @@ def diagnostics_summary(diag: dict[str, float]) -> str:
 
 
 def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
-    """Create run.dir (rank 0) and keep an existing run's files; write config.yaml once."""
+    """Rank 0 checks, locks run.dir and writes config.yaml once; every rank gets the outcome.
+
+    Nothing is written before the checks that can refuse the run (run.resume=never on a run,
+    W&B online without a key or server); then run.dir/.lock is taken (training/run_dir.py) before
+    anything else is written, and a second trainer on the same run.dir is turned away.
+    """
     run_dir = Path(cfg.run.dir)
+    refusal = None
     if ctx.is_main:
-        occupied = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
-        if occupied and cfg.run.resume == "never":
-            raise TrainingError(
-                f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
-                "run.dir or set run.resume=auto to continue it", ExitCode.RUN_DIR_IN_USE)
+        try:
+            _prepare_on_main(cfg, run_dir)
+        except TrainingError as exc:
+            refusal = (str(exc), exc.code)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)  # every rank stops with rank 0's code
+        refusal = box[0]
+    if refusal is not None:
+        raise TrainingError(*refusal)
+    return run_dir
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    return (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+
+
+def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
+    never = (f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
+             "run.dir or set run.resume=auto to continue it")
+    if cfg.run.resume == "never" and _holds_a_run(run_dir):
+        raise TrainingError(never, ExitCode.RUN_DIR_IN_USE)
+    if cfg.logger.mode == "online":
+        try:
+            check_wandb_online()
+        except WandbUnavailable as exc:
+            raise TrainingError(str(exc), ExitCode.WANDB_UNAVAILABLE) from None
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / "config.yaml"
-        text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        locked = lock_run_dir(run_dir)
+    except RunDirBusy as exc:
+        raise TrainingError(
+            f"run.dir={run_dir} is in use by another trainer: {exc}; wait for it to end or stop "
+            "it (its lock goes with the process), or choose another run.dir",
+            ExitCode.RUN_DIR_IN_USE) from None
+    except OSError as exc:
+        raise TrainingError(_unwritable_message("run.dir", run_dir, exc),
+                            ExitCode.RUN_DIR_UNWRITABLE) from None
+    if not locked:
+        log.warning(f"run.dir={run_dir}: the file system does not support locks; nothing "
+                    "stops a second trainer from writing into this run directory")
+    if cfg.run.resume == "never" and _holds_a_run(run_dir):  # a run that ended meanwhile
+        raise TrainingError(never, ExitCode.RUN_DIR_IN_USE)
+    if locked:  # no other writer: a temporary checkpoint here belongs to a dead one
+        for name in remove_stale_checkpoint_temporaries(run_dir / "checkpoints"):
+            log.warning(f"removed {run_dir / 'checkpoints' / name}: an unfinished checkpoint "
+                        "of a process that died")
+    config_path = run_dir / "config.yaml"
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    try:
         if not config_path.exists():
             config_path.write_text(text)
-        elif config_path.read_text() != text:
-            n = len(list(run_dir.glob("config.resume-*.yaml"))) + 1
+        elif config_path.read_text() != text:  # a resume with another config: keep both
+            n = 1
+            while (run_dir / f"config.resume-{n}.yaml").exists():
+                n += 1
             (run_dir / f"config.resume-{n}.yaml").write_text(text)
-    if dist.is_initialized():
-        dist.barrier()
-    return run_dir
+    except OSError as exc:
+        raise TrainingError(_unwritable_message("run.dir", run_dir, exc),
+                            ExitCode.RUN_DIR_UNWRITABLE) from None
+
+
+def _unwritable_message(key: str, directory, exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return (f"{key}={directory} cannot be written: {exc.strerror or exc}{where}; it must be a "
+            "writable directory (or a path where one can be created)")
+
+
+def _unwritable_key(exc: OSError, cfg) -> Optional[tuple[str, str]]:
+    """(key, directory) when an OSError concerns run.dir or data.cache_dir, else None."""
+    if not exc.filename:
+        return None
+    path = os.path.abspath(os.fsdecode(exc.filename))
+    for key, directory in (("run.dir", cfg.run.dir), ("data.cache_dir", cfg.data.cache_dir)):
+        root = os.path.abspath(str(directory))
+        if path == root or path.startswith(root + os.sep):
+            return key, str(directory)
+    return None
 
 
 def run(cfg) -> int:
@@ -368,12 +480,27 @@ def run(cfg) -> int:
     except TrainingError as exc:
         log.error(f"error: {exc}")
         return exc.code
-    except (FileNotFoundError, MissingDataError) as exc:
+    except MissingDataError as exc:  # only the data's own check: never any FileNotFoundError
         log.error(f"error: {exc}")
         return ExitCode.MISSING_DATA
+    except WandbUnavailable as exc:
+        log.error(f"error: {exc}")
+        return ExitCode.WANDB_UNAVAILABLE
+    except KeyboardInterrupt:
+        log.error("error: interrupted (a second SIGINT): stopped at once without a checkpoint; "
+                  "run again to continue from the last one")
+        return ExitCode.INTERRUPTED
+    except OSError as exc:
+        where = _unwritable_key(exc, cfg)
+        if where is None:
+            raise
+        log.error(f"error: {_unwritable_message(*where, exc)}")
+        return ExitCode.RUN_DIR_UNWRITABLE
     except ValueError as exc:
         log.error(f"error: {exc}")
         return ExitCode.CONFIG
     finally:
         if ctx is not None:
+            release_run_dir(Path(cfg.run.dir))  # if this process took it
             shutdown()
+        stop.restore()

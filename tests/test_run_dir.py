@@ -1,0 +1,272 @@
+"""The run directory: one trainer at a time, clear refusals, and each start-up fault's exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from train_helpers import FAST, REPO, read_metrics, run_train
+
+LOCK_NAME = ".lock"  # training/run_dir.py (imported in the tests that use it)
+
+ARGS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100"]
+
+
+def _popen_train(run_dir: Path, cache_dir: Path, *overrides: str,
+                 env: dict | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "NVFP4_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1",
+                **(env or {})}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}",
+                             *overrides], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists():
+            done = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+            if done and done[-1] >= step:
+                return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def _one_error_line(out: str) -> str:
+    assert "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out
+    return errors[0]
+
+
+# -- the lock -------------------------------------------------------------------------------------
+
+
+def test_the_lock_is_exclusive_names_its_holder_and_goes_with_its_descriptor(tmp_path):
+    from training.run_dir import RunDirBusy, lock_run_dir, release_run_dir
+
+    assert lock_run_dir(tmp_path)
+    assert lock_run_dir(tmp_path)  # re-entrant in the holding process
+    holder = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    probe = ("import sys; from pathlib import Path; from training.run_dir import lock_run_dir\n"
+             "try:\n    lock_run_dir(Path(sys.argv[1]))\nexcept Exception as e:\n"
+             "    print(type(e).__name__, e); sys.exit(1)\n")
+    other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
+                           capture_output=True, text=True, env={**os.environ, "SLURM_JOB_ID": ""})
+    assert other.returncode == 1 and other.stdout.startswith(RunDirBusy.__name__), other
+    assert f"pid {os.getpid()} on host {socket.gethostname()}" in other.stdout
+    release_run_dir(tmp_path)
+    other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
+                           capture_output=True, text=True)
+    assert other.returncode == 0, other
+
+
+def test_a_second_trainer_on_a_locked_run_dir_refuses_at_once_naming_the_holder(tmp_path):
+    """The first trainer's lock (here: this process's, with a Slurm job id) turns the second
+    away with exit 5 before it writes anything."""
+    from training.run_dir import lock_run_dir, release_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.environ["SLURM_JOB_ID"] = "4242"
+    try:
+        assert lock_run_dir(run_dir)
+    finally:
+        del os.environ["SLURM_JOB_ID"]
+    try:
+        before = sorted(run_dir.iterdir())
+        start = time.time()
+        proc = run_train(run_dir, *FAST, "trainer.max_steps=2", timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 5, out
+        line = _one_error_line(out)
+        assert "in use by another trainer" in line
+        assert f"pid {os.getpid()} on host {socket.gethostname()} (Slurm job 4242)" in line
+        assert time.time() - start < 60  # at start-up, not after building the model and data
+        assert sorted(run_dir.iterdir()) == before  # no config.yaml, train.log, metrics
+    finally:
+        release_run_dir(run_dir)
+
+
+@pytest.mark.slow
+def test_two_trainers_on_one_run_dir_never_interleave_and_sigkill_leaves_no_stale_lock(
+        tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    first = _popen_train(run_dir, data_cache, *ARGS)
+    _wait_for_step(run_dir, 1, first)
+    second = run_train(run_dir, *ARGS, cache_dir=data_cache, timeout=120)  # a duplicate sbatch
+    assert second.returncode == 5, second.stdout + second.stderr
+    assert f"pid {first.pid} on host" in second.stdout + second.stderr
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out
+    steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+    assert steps == [1, 2, 3, 4, 5, 6]  # every step once: the second trainer wrote nothing
+
+    # SIGKILL (a node failure) leaves the lock file but no lock: the next trainer resumes.
+    killed = tmp_path / "killed"
+    proc = _popen_train(killed, data_cache, *ARGS)
+    _wait_for_step(killed, 3, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (killed / LOCK_NAME).exists()
+    again = run_train(killed, *ARGS, cache_dir=data_cache)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from" in again.stdout + again.stderr
+
+
+def test_checkpoint_temporaries_of_a_dead_writer_are_removed_under_the_lock(tmp_path):
+    from training.config import LoggerConfig, RunConfig, TrainConfig
+    from training.distributed import ParallelContext
+    from training.run_dir import release_run_dir
+    from training.trainer import prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    stale = run_dir / "checkpoints" / ".tmp-step_0000004-deadhost-12345"
+    (stale / "dist").mkdir(parents=True)
+    (stale / "dist" / "__0_0.distcp").write_bytes(b"half a checkpoint")
+    kept = run_dir / "checkpoints" / "step_0000002"
+    kept.mkdir()
+    cfg = TrainConfig(run=RunConfig(dir=str(run_dir)), logger=LoggerConfig(mode="disabled"))
+    ctx = ParallelContext(1, 0, 1, 1, 1, 0, 0, 0, device=None)
+    try:
+        prepare_run_dir(cfg, ctx)
+        assert not stale.exists() and kept.exists()
+    finally:
+        release_run_dir(run_dir)
+
+
+# -- exit codes of start-up faults -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "sysfs"])
+def test_an_impossible_or_read_only_run_dir_exits_8_with_one_line(tmp_path, where):
+    if where == "under_a_file":
+        (tmp_path / "a_file").write_text("not a directory")
+        run_dir = tmp_path / "a_file" / "run"
+    else:
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("no sysfs")
+        run_dir = Path("/sys/kernel/nvfp4-run")  # sysfs: mkdir is refused, even to root
+    proc = run_train(run_dir, *FAST, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 8, out
+    assert f"run.dir={run_dir} cannot be written" in _one_error_line(out)
+
+
+def test_a_missing_tokenizer_is_missing_data_exit_3(tmp_path):
+    proc = run_train(tmp_path / "run", *FAST, "data.tokenizer=/no/such/tokenizer.json",
+                     timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out
+    assert "data.tokenizer = '/no/such/tokenizer.json': file not found" in _one_error_line(out)
+    assert not (tmp_path / "run").exists()
+
+
+def _no_wandb_credentials(tmp_path: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    home = tmp_path / "home"
+    home.mkdir()
+    return {**env, "HOME": str(home), "NETRC": str(home / ".netrc"),
+            "WANDB_CONFIG_DIR": str(home / "wandb-config"), "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.parametrize("problem", ["no_api_key", "no_server"])
+def test_wandb_online_without_a_key_or_a_server_exits_9_at_once(tmp_path, problem):
+    env = _no_wandb_credentials(tmp_path)
+    if problem == "no_server":  # a key, and nothing listening where the server should be
+        env.update(WANDB_API_KEY="0" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
+    run_dir = tmp_path / "run"
+    start = time.time()
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}", *FAST,
+                           "logger.mode=online"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9, out
+    line = _one_error_line(out)
+    assert "logger.mode=online" in line
+    assert ("no W&B API key" in line) if problem == "no_api_key" else ("W&B did not" in line)
+    assert time.time() - start < 60
+    assert not run_dir.exists()  # refused before anything was written
+
+
+def test_only_data_errors_map_to_missing_data(tmp_path, monkeypatch):
+    """A FileNotFoundError from anywhere but the data check is not exit 3: in run.dir it is
+    exit 8, elsewhere it propagates (a bug, with its traceback)."""
+    from hydra import compose, initialize_config_dir
+    from training import trainer
+    from training.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
+        raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}"])
+
+    def failing_trainer(path):
+        class Failing:
+            def __init__(self, *args, **kwargs):
+                raise FileNotFoundError(2, "No such file or directory", str(path))
+        return Failing
+
+    monkeypatch.setattr(trainer, "Trainer", failing_trainer(tmp_path / "elsewhere" / "x"))
+    with pytest.raises(FileNotFoundError):
+        trainer.run(raw)
+    monkeypatch.setattr(trainer, "Trainer", failing_trainer(tmp_path / "run" / "checkpoints"))
+    assert trainer.run(raw) == trainer.ExitCode.RUN_DIR_UNWRITABLE
+
+
+# -- SIGINT -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_first_ctrl_c_checkpoints_and_exits_75(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    proc = _popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
+    _wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out
+    assert "SIGINT received: finishing this step" in out and "Traceback" not in out
+    stopped_at = max(m["step"] for m in read_metrics(run_dir) if "loss" in m)
+    assert stopped_at < 6 and (run_dir / "checkpoints" / f"step_{stopped_at:07d}").is_dir()
+    resumed = run_train(run_dir, *ARGS, "trainer.save_every=100", cache_dir=data_cache)
+    assert resumed.returncode == 0 and f"at step {stopped_at}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_at_once_with_130(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    # Long steps (and no checkpoint before the stop) leave time for the second Ctrl-C.
+    proc = _popen_train(run_dir, data_cache, *ARGS, "trainer.max_steps=50",
+                        "trainer.save_every=100", "trainer.seq_length=256",
+                        "trainer.global_batch_size=8")
+    lines: list[str] = []
+    first_seen = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "SIGINT received" in line:
+                first_seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    _wait_for_step(run_dir, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    assert first_seen.wait(60), "".join(lines)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert proc.returncode == 130, out
+    assert "interrupted (a second SIGINT): stopped at once" in _one_error_line(out)
+    assert not (run_dir / "checkpoints").exists() or not any(
+        (run_dir / "checkpoints").glob("step_*"))
