@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -10,12 +11,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
-from nvfp4_recipe.te_runtime import te_layer_context
+from nvfp4_recipe.te_runtime import te_layer_context, te_linear_context
 
 from . import compat
 from .backend import SPEC_OF_BACKEND, choose_backend  # noqa: F401  (choose_backend: re-exported)
 from .config import ModelConfig
-from .specs import portable_layer_spec, te_layer_spec
+from .specs import LINEAR_NAMES, portable_layer_spec, te_layer_spec, with_linear_contexts
 from .stack import HybridStack
 
 
@@ -26,6 +27,13 @@ class BuiltModel:
     runtime_state: RuntimePrecisionState
     backend: str  # "emulated" or "te"
     spec: str  # "portable" or "te"
+
+
+def precision_policy(cfg: ModelConfig, precision: PrecisionConfig) -> PrecisionPolicy:
+    """The one precision policy of a model: every linear's format (raises ValueError for a bad
+    `precision` key, e.g. an override pattern that matches no linear)."""
+    return PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
+                           cfg.bf16_last_layers, linear_names=LINEAR_NAMES)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int) -> int:
@@ -83,8 +91,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 **stage_kwargs) -> BuiltModel:
     """The megatron-core hybrid model with one layer spec per pattern layer."""
     cfg.validate()
-    policy = PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
-                             cfg.bf16_last_layers)
+    policy = precision_policy(cfg, precision)
     if backend is None:
         backend, _ = choose_backend(precision, cfg.spec)
     if cfg.spec != "auto" and SPEC_OF_BACKEND[backend] != cfg.spec:
@@ -94,12 +101,22 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     state = RuntimePrecisionState()
     decisions = policy.layers()
     if backend == "te":
-        from nvfp4_recipe.te_mapping import build_te_recipe
+        from nvfp4_recipe.te_mapping import build_te_recipe, te_formats
 
-        recipe = build_te_recipe(precision)
-        layer_specs = [te_layer_spec(d, cfg) for d in decisions]
+        # One recipe object per format (the recipe's own, and any other an override uses).
+        recipes = {fmt: build_te_recipe(dataclasses.replace(precision, format=fmt))
+                   for fmt in te_formats(precision) if fmt != "bf16"}
+        layer_specs = []
+        for d in decisions:
+            spec = te_layer_spec(d, cfg)
+            if d.linears:  # linears overridden to another format than their layer's
+                spec = with_linear_contexts(spec, {
+                    name: te_linear_context(d.format, fmt, state, recipes, compat.te_autocast,
+                                            compat.te_no_autocast) for name, fmt in d.linears})
+            layer_specs.append(spec)
         # Entered at every forward, so the runtime switch to BF16 reaches every layer.
-        contexts = [te_layer_context(d, state, recipe, compat.te_autocast) for d in decisions]
+        contexts = [te_layer_context(d, state, recipes.get(d.format), compat.te_autocast)
+                    for d in decisions]
         spec_family = "te"
     else:
         layer_specs = [portable_layer_spec(d, precision, state, cfg) for d in decisions]

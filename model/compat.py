@@ -11,7 +11,7 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    takes both).
 3. `te_autocast`: `te.autocast(recipe=...)` exists from TE 2.9 (v2.9 quantization.py:790); TE 2.8
    has only `te.fp8_autocast(fp8_recipe=...)` (v2.8 fp8.py:646), kept in 2.9+ as a deprecated
-   wrapper.
+   wrapper; `te_no_autocast` is the same choice with the autocast off.
 4. `seed_model_parallel_rng`: megatron's `model_parallel_cuda_manual_seed` reads the CUDA RNG
    (`random.py:235`, 0.16.1); on CPU we seed torch's RNG only (CPU initialisation draws full
    weights, identical on every TP rank, and dropout is 0).
@@ -67,6 +67,15 @@ def te_autocast(recipe):
     if hasattr(te, "autocast"):  # TE >= 2.9
         return te.autocast(enabled=True, recipe=recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # TE 2.8
+
+
+def te_no_autocast():
+    """TE's autocast turned off for one region (a BF16 linear inside a low-precision layer)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=False)
+    return te.fp8_autocast(enabled=False)
 
 
 def seed_model_parallel_rng(seed: int) -> None:

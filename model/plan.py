@@ -4,7 +4,10 @@
 *portable* spec at tensor = pipeline = 1, reads the precision of every linear from the built
 modules (each one was chosen by `nvfp4_recipe`'s precision policy) and derives the per-rank
 numbers for the layout in `cfg.parallel` analytically, so a single process can plan a
-4-way tensor-parallel run. It prints a table and writes `plan.json` into `run.dir`.
+4-way tensor-parallel run. It prints a table and writes `plan.json` into `run.dir`, with the
+precision map (`precision_map`) and the preflight (`preflight`: every low-precision GEMM's local
+shapes checked against the rules of each backend the run may use, at parallel.tensor and at
+tensor 1/2/4/8; nvfp4_recipe/preflight.py). `run_preflight` is the same check at start-up.
 
 Formulas (every number in plan.json comes from one of these; P = parameters, b = micro-batch,
 s = sequence length, t = tensor parallel, p = pipeline parallel, d = data parallel):
@@ -342,14 +345,16 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
         linears = {}
         for name in LINEAR_NAMES[kinds[i]]:
             fmt = getattr(layer.get_submodule(name), "gemm_format", None)
-            if fmt != decisions[i].format:
+            if fmt != decisions[i].linear_format(name):
                 raise AssertionError(f"layer {i} {name}: built {fmt!r}, policy "
-                                     f"{decisions[i].format!r}")
+                                     f"{decisions[i].linear_format(name)!r}")
             linears[name] = fmt
             counts[fmt] = counts.get(fmt, 0) + 1
         full, rank = _count(layer, sharded, t)
         layer_rank_params.append(rank)
-        layers.append({"index": i, "kind": kinds[i], "precision": decisions[i].format,
+        formats = set(linears.values())
+        layers.append({"index": i, "kind": kinds[i],
+                       "precision": formats.pop() if len(formats) == 1 else "mixed",
                        "linears": linears, "parameters": full, "parameters_per_rank": rank})
 
     total = sum(q.numel() for q in module.parameters())
@@ -435,6 +440,7 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
         backend, reason = choose_backend(cfg.precision, cfg.model.spec)
     except ValueError as exc:  # backend=te requested on a machine without it: plan anyway
         backend, reason = "te", f"requested; not available on this machine ({exc})"
+    checks = preflight(cfg, preflight_backends(cfg.precision, cfg.model.spec), probe_device(cfg))
 
     return {
         "parameters": total,
@@ -446,7 +452,9 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
         "embedding_parameters": emb_full, "output_layer_parameters": out_full,
         "final_norm_parameters": fnorm_full, "gemm_parameters": gemm_full,
         "recipe": built.policy.recipe(),
+        "precision_map": built.policy.precision_map(),
         "backend": backend, "backend_reason": reason,
+        "preflight": checks.as_dict(),
         "memory_per_rank_gib": _gib(busiest["total_bytes"]),
         "memory": memory,
         "flops_per_token": flops_per_token,
@@ -454,6 +462,105 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
                   "ratio_to_6P": round(flops_per_token / (6.0 * total), 4)},
         "time": time,
     }
+
+
+# -- preflight ----------------------------------------------------------------------------------
+
+
+def preflight_backends(precision, model_spec: str) -> tuple[str, ...]:
+    """The GEMM backends a run of this config may use (the dry run checks each): TE where the
+    config lets it (`auto`: TE on Blackwell, the emulation elsewhere), never for MXFP4 (TE has no
+    MXFP4 recipe, so such a run is emulated)."""
+    from nvfp4_recipe.policy import low_precision_formats
+
+    if precision.backend == "emulated" or model_spec == "portable":
+        return ("emulated",)
+    if precision.backend == "te" or model_spec == "te":
+        return ("te",)
+    return ("emulated",) if "mxfp4" in low_precision_formats(precision) else ("te", "emulated")
+
+
+def probe_device(cfg, activation_dtype: str = "bf16"):
+    """This machine's GPU and Transformer Engine release for the known-bad table (None without
+    a GPU). Reads TE's version from its package metadata: nothing is imported."""
+    import importlib.metadata
+
+    import torch
+
+    from nvfp4_recipe.policy import low_precision_formats
+    from nvfp4_recipe.preflight import DeviceSetting
+
+    if not torch.cuda.is_available():
+        return None
+    te_version = None
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            te_version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    p = cfg.precision
+    return DeviceSetting(capability=tuple(torch.cuda.get_device_capability()),
+                         te_version=te_version, formats=tuple(low_precision_formats(p)),
+                         rht=p.rht, stochastic_rounding=p.stochastic_rounding,
+                         activation_dtype=activation_dtype)
+
+
+def preflight(cfg, backends, device=None):
+    """The preflight Report of a TrainConfig (nvfp4_recipe/preflight.py): every low-precision
+    GEMM at parallel.tensor, micro-batch x sequence rows, for each backend in `backends`; the
+    same at each candidate tensor size (which layouts are clean); `device` against the known-bad
+    table where TE is among the backends. Raises ValueError for a bad precision key (an override
+    pattern that matches nothing)."""
+    from nvfp4_recipe.preflight import (CANDIDATE_TENSOR_SIZES, Linear, Report, Setting,
+                                        check_linears, known_bad_hits, layout_verdicts)
+
+    from .build import precision_policy
+    from .specs import layout_problems, linear_shapes
+
+    m, par, tr, p = cfg.model, cfg.parallel, cfg.trainer, cfg.precision
+    formats = {n: f for n, f in precision_policy(m, p).linear_formats().items() if f != "bf16"}
+    tokens = tr.micro_batch_size * tr.seq_length
+
+    def checks_at(tensor: int, backend: str):
+        shapes = linear_shapes(m, tensor)
+        linears = [Linear(name, fmt, shapes[suffix]["in"], shapes[suffix]["out"],
+                          shapes[suffix]["parallel"])
+                   for name, fmt in formats.items() for suffix in [name.split(".", 2)[2]]]
+        setting = Setting(backend=backend, tokens=tokens, tensor=tensor,
+                          sequence_parallel=par.sequence, rht=p.rht,
+                          capability=device.capability if device else None,
+                          te_version=device.te_version if device else None)
+        return check_linears(linears, setting)
+
+    report = Report(tensor=par.tensor, tokens=tokens, sequence_parallel=par.sequence,
+                    layout_problems=layout_problems(m, par.tensor))
+    if not report.layout_problems:
+        report.checks = [c for b in backends for c in checks_at(par.tensor, b)]
+    for t in sorted({*CANDIDATE_TENSOR_SIZES, par.tensor}):
+        problems = layout_problems(m, t)
+        if problems:
+            report.layouts[t] = {b: {"verdict": "fail", "linears": {}, "layout": problems}
+                                 for b in backends}
+        else:
+            per_backend = layout_verdicts([c for b in backends for c in checks_at(t, b)])
+            report.layouts[t] = {b: per_backend.get(b, {"verdict": "ok", "linears": {}})
+                                 for b in backends}
+    if device is not None and "te" in backends:
+        cap = device.capability
+        report.device = {"capability": list(cap) if cap else None,
+                         "te_version": device.te_version,
+                         "describe": (f"compute capability {cap[0]}.{cap[1]}" if cap else
+                                      "no GPU") + f", transformer_engine {device.te_version}"}
+        report.device_hits = known_bad_hits(device)
+    return report
+
+
+def run_preflight(cfg, backend: str, activation_dtype: str = "bf16"):
+    """The start-up preflight of a run on `backend` ("te" | "emulated"); the device is probed
+    only for TE. Its `refusal()` stops the run before anything is written (exit 2)."""
+    device = probe_device(cfg, activation_dtype) if backend == "te" else None
+    return preflight(cfg, (backend,), device)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -477,6 +584,9 @@ def write_plan(plan: dict, run_dir) -> Path:
     return run_dir / "plan.json"
 
 
+_VERDICT_TEXT = {"ok": "clean", "slower": "slower path", "fail": "would fail"}
+
+
 def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
@@ -484,6 +594,8 @@ def _short(name: str) -> str:
 def print_plan(plan: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from nvfp4_recipe.policy import describe_precision_map
 
     console = console or Console()
     table = Table(title=f"layers ({plan['pattern']})", show_lines=False)
@@ -531,22 +643,41 @@ def print_plan(plan: dict, console=None) -> None:
                  f"{tm['step_seconds']:.2f} s: {tm['days']:.2f} days = {tm['gpu_hours']:,.0f} "
                  f"GPU-hours at MFU {tm['mfu']} of {tm['peak_tflops']:g} TFLOP/s"),
     ]
+    pre = plan["preflight"]
+    counts = "; ".join(f"{b}: {n['ok']} ok, {n['slower']} slower path, {n['fail']} would fail"
+                       for b, n in pre["counts"].items()) or "no low-precision GEMM"
+    total = sum(sum(n.values()) for n in pre["counts"].values())
+    rows.append(("preflight", f"{counts} (tensor {pre['tensor']}, {pre['rows_per_gemm']} rows "
+                              f"per GEMM; all {total} in plan.json)"))
+    rows.append(("layouts", "; ".join(
+        f"tensor {t}: " + ", ".join(f"{b} {_VERDICT_TEXT[e['verdict']]}" for b, e in per.items())
+        for t, per in pre["layouts"].items())))
+    rows.append(("precision map", describe_precision_map(plan["precision_map"])))
     for k, v in rows:
         summary.add_row(k, v)
     console.print(summary)
+    for line in pre["problems"]:
+        style = "red" if line.startswith("would fail") else "yellow"
+        console.print(f"preflight: {line}", style=style, soft_wrap=True)
 
 
 def dry_run(cfg, ctx) -> int:
     """Plan the run of `cfg` (a TrainConfig), print it, write run.dir/plan.json on rank 0.
+    Returns 2 when the preflight says the run would be refused (the plan, which says why, is
+    written first), else 0.
 
     `ctx` is the current process group's ParallelContext; megatron's parallel state must be
     initialised with tensor = pipeline = 1 (the plan needs no GPUs and no real world size)."""
     plan = build_plan(cfg)
+    refusal = plan["preflight"]["verdict"] == "fail"
     if ctx is None or ctx.is_main:
         print_plan(plan)
         path = write_plan(plan, cfg.run.dir)
         print(f"wrote {path}")
-    return 0
+        if refusal:  # the plan is written (it says why); the exit code says the run would refuse
+            print("error: the preflight would refuse this run (lines 'preflight: would fail' "
+                  "above); exit code 2")
+    return 2 if refusal else 0
 
 
 # -- validation against a real (CPU) run --------------------------------------------------------

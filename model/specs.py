@@ -4,7 +4,11 @@ Two families, as megatron-core's own specs:
 - portable: megatron-core tensor-parallel linears (their GEMM routed by `nvfp4_recipe`), our
   PyTorch Mamba-2 mixer, SDPA core attention, torch RMSNorm. Runs on CPU and on any GPU.
 - te: Transformer Engine layers (fused norm+linear, TE attention) and mamba_ssm's mixer, as
-  Megatron's hybrid spec; low-precision layers run under a TE autocast chosen per layer.
+  Megatron's hybrid spec; low-precision layers run under a TE autocast chosen per layer, and a
+  linear that `precision.overrides` gives another format runs in its own context
+  (`with_linear_contexts`).
+Also the local GEMM shapes of each linear at a tensor-parallel size (`linear_shapes`,
+`layout_problems`), which the preflight checks.
 """
 
 from __future__ import annotations
@@ -41,15 +45,15 @@ LINEAR_NAMES = {
 
 
 def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState):
-    params = {
-        "gemm_format": decision.format,
-        "gemm_config": gemm_config_for(decision.format, cfg),
-        "runtime_state": state,
-    }
-    return (
-        ModuleSpec(module=PrecisionColumnParallelLinear, params=params),
-        ModuleSpec(module=PrecisionRowParallelLinear, params=params),
-    )
+    """(column spec, row spec) of a layer's two linears, each in its own format (the policy's)."""
+    column_name, row_name = LINEAR_NAMES[decision.kind]
+    specs = []
+    for cls, name in ((PrecisionColumnParallelLinear, column_name),
+                      (PrecisionRowParallelLinear, row_name)):
+        fmt = decision.linear_format(name)
+        specs.append(ModuleSpec(module=cls, params={
+            "gemm_format": fmt, "gemm_config": gemm_config_for(fmt, cfg), "runtime_state": state}))
+    return tuple(specs)
 
 
 class TorchNormWithConfigEps(WrappedTorchNorm):
@@ -132,3 +136,99 @@ def te_layer_spec(decision: LayerPrecision, model: ModelConfig) -> ModuleSpec:
                                 "chunk_size": model.mamba_chunk_size})
         return replace(layer, submodules=replace(layer.submodules, mixer=mixer))
     return {"attention": stack.attention_layer, "mlp": stack.mlp_layer}[decision.kind]
+
+
+# -- per-linear contexts on the TE spec ------------------------------------------------------------
+
+# Where each linear sits in megatron's layer specs: the submodules path of its module name.
+_TE_LINEAR_SLOTS = {
+    "mixer.in_proj": ("mixer", "in_proj"), "mixer.out_proj": ("mixer", "out_proj"),
+    "self_attention.linear_qkv": ("self_attention", "linear_qkv"),
+    "self_attention.linear_proj": ("self_attention", "linear_proj"),
+    "mlp.linear_fc1": ("mlp", "linear_fc1"), "mlp.linear_fc2": ("mlp", "linear_fc2"),
+}
+
+
+class _GemmContextLinear:
+    """Mixin: the linear's forward runs inside `gemm_context()` (a factory, called per forward,
+    so the runtime switch to BF16 reaches it). Put before a megatron TE linear wrapper."""
+
+    def __init__(self, *args, gemm_context, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gemm_context = gemm_context
+
+    def forward(self, *args, **kwargs):
+        with self.gemm_context():
+            return super().forward(*args, **kwargs)
+
+
+_CONTEXT_CLASSES: dict[type, type] = {}
+
+
+def with_gemm_context(cls: type) -> type:
+    """`cls` whose forward enters the `gemm_context` it is built with (one subclass per class, so
+    module types stay stable across layers and checkpoints)."""
+    if cls not in _CONTEXT_CLASSES:
+        name = f"{cls.__name__}WithGemmContext"
+        _CONTEXT_CLASSES[cls] = type(name, (_GemmContextLinear, cls),
+                                     {"__module__": __name__, "__qualname__": name})
+    return _CONTEXT_CLASSES[cls]
+
+
+def with_linear_contexts(layer: ModuleSpec, contexts: dict) -> ModuleSpec:
+    """A TE layer spec whose linears named in `contexts` ({module name: context factory}) are
+    built as `with_gemm_context(their class)`: how a linear overridden to another format than its
+    layer runs on TE (nvfp4_recipe.te_runtime.te_linear_context)."""
+    for name, context in contexts.items():
+        parent_name, slot = _TE_LINEAR_SLOTS[name]
+        parent = getattr(layer.submodules, parent_name)
+        current = getattr(parent.submodules, slot)
+        module = current.module if isinstance(current, ModuleSpec) else current
+        params = dict(current.params) if isinstance(current, ModuleSpec) else {}
+        wrapped = ModuleSpec(module=with_gemm_context(module),
+                             params={**params, "gemm_context": context})
+        parent = replace(parent, submodules=replace(parent.submodules, **{slot: wrapped}))
+        layer = replace(layer, submodules=replace(layer.submodules, **{parent_name: parent}))
+    return layer
+
+
+# -- local GEMM shapes (the preflight's input) -----------------------------------------------------
+
+
+def linear_shapes(model: ModelConfig, tensor: int) -> dict[str, dict]:
+    """{module name: {"in": K, "out": N, "parallel": "column" | "row"}} of each linear on one
+    tensor-parallel rank, as megatron shards it: column-parallel linears split their outputs (the
+    Mamba in_proj each of z, x, B, C, dt: mc 0.16.1 ssm/mamba_mixer.py:247-258), row-parallel ones
+    their inputs. Assumes `layout_problems(model, tensor)` is empty."""
+    t, h = tensor, model.hidden_size
+    d_inner = model.mamba_num_heads * model.mamba_head_dim
+    in_proj = (2 * d_inner + 2 * model.mamba_num_groups * model.mamba_state_dim
+               + model.mamba_num_heads)
+    q, kv, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    return {
+        "mixer.in_proj": {"in": h, "out": in_proj // t, "parallel": "column"},
+        "mixer.out_proj": {"in": d_inner // t, "out": h, "parallel": "row"},
+        "self_attention.linear_qkv": {"in": h, "out": (q + 2 * kv) * d // t, "parallel": "column"},
+        "self_attention.linear_proj": {"in": q * d // t, "out": h, "parallel": "row"},
+        "mlp.linear_fc1": {"in": h, "out": model.ffn_hidden_size // t, "parallel": "column"},
+        "mlp.linear_fc2": {"in": model.ffn_hidden_size // t, "out": h, "parallel": "row"},
+    }
+
+
+def layout_problems(model: ModelConfig, tensor: int) -> list[str]:
+    """Why megatron cannot split this model over `tensor` ranks ([] when it can)."""
+    kinds = set(model.layer_kinds())
+    checks = []
+    if "mamba" in kinds:  # mc 0.16.1 ssm/mamba_mixer.py:249-258
+        checks += [("model.mamba_num_heads", model.mamba_num_heads),
+                   ("model.mamba_num_groups", model.mamba_num_groups)]
+    if "attention" in kinds and model.num_query_groups >= tensor:  # attention.py:297-303
+        checks += [("model.num_attention_heads", model.num_attention_heads),
+                   ("model.num_query_groups", model.num_query_groups)]
+    elif "attention" in kinds:  # fewer KV groups than ranks (attention.py:289-296): the QKV
+        qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.kv_channels
+        checks += [("the QKV outputs (heads + 2 x query groups) x kv_channels", qkv)]
+    if "mlp" in kinds:  # ColumnParallelLinear: divide(output, tp), tensor_parallel/layers.py:842
+        checks += [("model.ffn_hidden_size", model.ffn_hidden_size)]
+    return [f"{key}={value} is not divisible by tensor parallel {tensor}"
+            for key, value in checks if value % tensor]

@@ -1,14 +1,16 @@
 """The precision policy: which GEMM format each linear of each pattern layer uses.
 
-This module is pure Python (no torch, megatron or TE import): it turns the `precision` config
-into per-layer decisions. `nvfp4_recipe.parallel_linear` turns a decision into a megatron-core
-linear class (emulated), `nvfp4_recipe.te_mapping` into a Transformer Engine recipe (Blackwell).
+This module is pure Python (no megatron or TE import): it turns the `precision` config into
+per-layer decisions and, through `precision.overrides`, per-linear ones.
+`nvfp4_recipe.parallel_linear` turns a decision into a megatron-core linear class (emulated),
+`nvfp4_recipe.te_mapping` into a Transformer Engine recipe (Blackwell).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -53,19 +55,30 @@ class PrecisionConfig:
     kernels: str = "auto"
     # Quantization diagnostics every N optimizer steps (0 = off).
     diagnostics_every: int = 0
+    # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
+    # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> bf16 | fp8 | mxfp4 |
+    # nvfp4. Beats format and the BF16 first/last layers; see `resolve_overrides`.
+    overrides: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class LayerPrecision:
-    """The decision for one pattern layer."""
+    """The decision for one pattern layer: the layer's format and, where `precision.overrides`
+    changed one, each linear's (`linears`: (name, format) pairs; a linear not listed has the
+    layer's format)."""
 
     index: int
     kind: str
     format: str  # "bf16" or the recipe's low-precision format
+    linears: tuple[tuple[str, str], ...] = ()
 
     @property
     def low_precision(self) -> bool:
+        """Whether the layer runs under the recipe (on TE: inside the layer's autocast)."""
         return self.format != "bf16"
+
+    def linear_format(self, name: str) -> str:
+        return dict(self.linears).get(name, self.format)
 
 
 def validate_precision(cfg: PrecisionConfig) -> None:
@@ -90,6 +103,56 @@ def validate_precision(cfg: PrecisionConfig) -> None:
         )
     if cfg.diagnostics_every < 0:
         raise ValueError(f"precision.diagnostics_every={cfg.diagnostics_every} must be >= 0")
+    for pattern, fmt in cfg.overrides.items():
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ValueError(f"precision.overrides: {pattern!r} is not a module-name pattern")
+        if fmt not in FORMATS:
+            raise ValueError(f"precision.overrides[{pattern!r}]={fmt!r}: choose one of "
+                             f"{', '.join(FORMATS)}")
+
+
+def low_precision_formats(cfg: PrecisionConfig) -> list[str]:
+    """Every low-precision format a run may use: the recipe's and the overrides' (no bf16)."""
+    formats = [cfg.format, *cfg.overrides.values()]
+    return sorted({f for f in formats if f != "bf16"}, key=FORMATS.index)
+
+
+def resolve_overrides(overrides: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
+    """{linear name: format} from `precision.overrides` over the model's linear names.
+
+    A pattern is a glob (fnmatch, case-sensitive: `*` any run of characters dots included, `?` one,
+    `[0-9]` a class) matched against the whole name, e.g. `*.mixer.in_proj`,
+    `layers.1?.mlp.*`, `layers.5.self_attention.linear_qkv` (the same glob matching as
+    megatron-core's per-module quantization config, mc 0.16.1 quantization/quant_config.py).
+    A pattern that matches no linear, or two patterns giving one linear different formats, is a
+    ValueError: nothing is silently ignored and the order of the patterns never matters."""
+    resolved: dict[str, tuple[str, str]] = {}
+    for pattern, fmt in overrides.items():
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            examples = ", ".join(dict.fromkeys(_example_names(names)))
+            raise ValueError(
+                f"precision.overrides: {pattern!r} matches no linear of this model; names look "
+                f"like {examples} (glob: '*' any characters, '?' one)")
+        for name in matched:
+            if name in resolved and resolved[name][1] != fmt:
+                other, other_fmt = resolved[name]
+                raise ValueError(
+                    f"precision.overrides: {name} matches {other!r} ({other_fmt}) and "
+                    f"{pattern!r} ({fmt}); make the patterns disjoint")
+            resolved[name] = (pattern, fmt)
+    return {name: fmt for name, (_, fmt) in resolved.items()}
+
+
+def _example_names(names: Sequence[str]) -> list[str]:
+    """One name per distinct linear (the first layer that has it), for error messages."""
+    seen, out = set(), []
+    for name in names:
+        suffix = name.split(".", 2)[-1]
+        if suffix not in seen:
+            seen.add(suffix)
+            out.append(name)
+    return out
 
 
 def resolve_bf16_layers(
@@ -114,33 +177,69 @@ def resolve_bf16_layers(
 
 
 class PrecisionPolicy:
-    """Decides, from the pattern layer index, the format of that layer's linears."""
+    """Decides the format of every linear: from the pattern-layer index (the recipe's format, BF16
+    for the first/last layers), then `precision.overrides` per linear name.
+
+    `linear_names` maps a layer kind to its linears' module names (model.specs.LINEAR_NAMES);
+    needed when the config has overrides."""
 
     def __init__(self, cfg: PrecisionConfig, layer_kinds: list[str], model_first: int = 0,
-                 model_last: int = 0):
+                 model_last: int = 0, linear_names: Optional[Mapping[str, Sequence[str]]] = None):
         validate_precision(cfg)
         self.cfg = cfg
         self.layer_kinds = list(layer_kinds)
+        self.linear_names = {k: tuple(v) for k, v in (linear_names or {}).items()}
         if cfg.format == "bf16":
             self.first, self.last = 0, 0
         else:
             self.first, self.last = resolve_bf16_layers(
                 cfg, len(layer_kinds), model_first, model_last
             )
+        if cfg.overrides and not self.linear_names:
+            raise ValueError("precision.overrides needs the model's linear names (linear_names)")
+        self.overrides = resolve_overrides(cfg.overrides, self.names())
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def names(self) -> list[str]:
+        """Every linear's name, `layers.<pattern index>.<module name>`, in layer order."""
+        return [f"layers.{i}.{n}" for i, kind in enumerate(self.layer_kinds)
+                for n in self.linear_names.get(kind, ())]
 
     def layer(self, index: int) -> LayerPrecision:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} outside a {self.num_layers}-layer pattern")
         in_bf16 = index < self.first or index >= self.num_layers - self.last
         fmt = "bf16" if (self.cfg.format == "bf16" or in_bf16) else self.cfg.format
-        return LayerPrecision(index=index, kind=self.layer_kinds[index], format=fmt)
+        kind = self.layer_kinds[index]
+        changed = tuple((n, self.overrides[f"layers.{index}.{n}"])
+                        for n in self.linear_names.get(kind, ())
+                        if self.overrides.get(f"layers.{index}.{n}", fmt) != fmt)
+        return LayerPrecision(index=index, kind=kind, format=fmt, linears=changed)
 
     def layers(self) -> list[LayerPrecision]:
         return [self.layer(i) for i in range(self.num_layers)]
+
+    def linear_formats(self) -> dict[str, str]:
+        """{`layers.<i>.<name>`: format} of every linear (what each of its GEMMs runs in)."""
+        return {f"layers.{d.index}.{n}": d.linear_format(n) for d in self.layers()
+                for n in self.linear_names.get(d.kind, ())}
+
+    def precision_map(self) -> dict[str, dict[str, str]]:
+        """{linear name: {format: runs of pattern-layer indices}}, e.g. {"mixer.in_proj":
+        {"bf16": "0-2,56-60", "nvfp4": "4-54"}}: a run a-b covers every layer from a to b that
+        has this linear (layers of other kinds in between do not break it)."""
+        by_name: dict[str, list[tuple[int, str]]] = {}
+        for d in self.layers():
+            for n in self.linear_names.get(d.kind, ()):
+                by_name.setdefault(n, []).append((d.index, d.linear_format(n)))
+        return {n: _runs(entries) for n, entries in by_name.items()}
+
+    def describe_map(self) -> str:
+        """The precision map on one line, for the start-up log."""
+        return describe_precision_map(self.precision_map())
 
     def recipe(self) -> dict:
         """The resolved precision keys, as recorded in plan.json and W&B."""
@@ -160,7 +259,29 @@ class PrecisionPolicy:
             "backend": cfg.backend,
             "gemm": cfg.gemm,
             "kernels": cfg.kernels,
+            "overrides": dict(cfg.overrides),
         }
+
+
+def describe_precision_map(pmap: Mapping[str, Mapping[str, str]]) -> str:
+    """"mixer.in_proj: bf16 at 0-7 | mlp.linear_fc1: nvfp4 at 1,6; fp8 at 4; bf16 at 8"."""
+    return " | ".join(f"{name}: " + "; ".join(f"{fmt} at {runs}" for fmt, runs in formats.items())
+                      for name, formats in pmap.items())
+
+
+def _runs(entries: list[tuple[int, str]]) -> dict[str, str]:
+    """[(layer, format)] in layer order -> {format: "a-b,c"}: maximal runs of consecutive entries
+    with one format (consecutive in this list, i.e. among the layers that have the linear)."""
+    runs: dict[str, list[list[int]]] = {}
+    previous = None
+    for index, fmt in entries:
+        if fmt == previous:
+            runs[fmt][-1][1] = index
+        else:
+            runs.setdefault(fmt, []).append([index, index])
+        previous = fmt
+    return {fmt: ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+            for fmt, spans in runs.items()}
 
 
 @dataclass

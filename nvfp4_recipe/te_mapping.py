@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from .policy import PrecisionConfig, validate_precision
+from .policy import PrecisionConfig, low_precision_formats, validate_precision
 
 # Blackwell (B200/GB200 = 10.0, B300/GB300 = 10.3) is where TE runs NVFP4 GEMMs. Stricter than
 # TE's own check (>= 10.0, TE v2.8 fp8.py:57-61): this project has not run NVFP4 on 12.x.
@@ -88,13 +88,22 @@ def te_recipe_rule(fmt: str, capability: tuple[int, int], cuda_version: Optional
     return True, ""
 
 
+def te_formats(cfg: PrecisionConfig) -> list[str]:
+    """The formats TE must run for this config: the recipe's, then each other low-precision format
+    that `precision.overrides` gives a linear (TE runs every linear of the TE spec)."""
+    return [cfg.format] + [f for f in low_precision_formats(cfg) if f != cfg.format]
+
+
 def te_supports(cfg: PrecisionConfig, capability: Optional[tuple[int, int]],
                 cuda_version: Optional[str], te_version: Optional[str]) -> tuple[bool, str]:
     """Whether TE can run this recipe on a device, and why not (pure; see `probe_te_support`)."""
-    ok, why = _project_rule(cfg.format, capability)
-    if not ok:
-        return ok, why
-    return te_recipe_rule(cfg.format, capability, cuda_version, te_version)
+    for fmt in te_formats(cfg):
+        ok, why = _project_rule(fmt, capability)
+        if ok:
+            ok, why = te_recipe_rule(fmt, capability, cuda_version, te_version)
+        if not ok:
+            return ok, why
+    return True, ""
 
 
 # The FP8GlobalStateManager class methods that answer (available, reason) for a recipe:
@@ -123,25 +132,31 @@ def probe_te_support(cfg: PrecisionConfig,
     """Whether the installed TE runs this recipe on this device, and why not. Asks TE itself
     where it can, else applies `te_recipe_rule`; a missing or broken TE is a reason, never an
     exception, so `backend=auto` always has an answer."""
-    ok, why = _project_rule(cfg.format, capability)
-    if not ok:
-        return ok, why
+    formats = te_formats(cfg)
+    for fmt in formats:
+        ok, why = _project_rule(fmt, capability)
+        if not ok:
+            return ok, why
     try:
         import torch
         import transformer_engine
         import transformer_engine.pytorch  # noqa: F401  (the layers need it, not just the package)
 
-        verdict = _ask_te(cfg.format)
-        if verdict is None:
-            verdict = te_recipe_rule(cfg.format, capability, torch.version.cuda,
-                                     getattr(transformer_engine, "__version__", None))
+        for fmt in formats:
+            verdict = _ask_te(fmt)
+            if verdict is None:
+                verdict = te_recipe_rule(fmt, capability, torch.version.cuda,
+                                         getattr(transformer_engine, "__version__", None))
+            if not verdict[0]:
+                return verdict
     except Exception as exc:  # ImportError, or a TE built for another CUDA / torch
         return False, f"transformer_engine not usable ({type(exc).__name__}: {exc})"[:200]
-    return verdict
+    return True, ""
 
 
 def build_te_recipe(cfg: PrecisionConfig):
-    """Instantiate the TE recipe object (GPU machines with transformer_engine only)."""
+    """Instantiate the TE recipe object of cfg.format (GPU machines with transformer_engine only);
+    `build_model` calls it once per format in `te_formats` (with that format)."""
     spec = te_recipe_spec(cfg)
     if spec is None:
         return None

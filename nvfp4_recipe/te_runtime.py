@@ -4,6 +4,13 @@
   policy's low-precision layers run under the TE recipe until the late switch to BF16 fires;
   BF16 layers never do. The autocast is entered per layer at every forward (`te_layer_context`),
   so the switch, which flips `RuntimePrecisionState`, reaches layers built long before.
+- Which recipe one linear runs under when `precision.overrides` gave it another format than its
+  layer (`te_linear_context`): TE's autocast is a global state that a nested autocast replaces
+  for its extent and restores on exit (TE v2.9 quantization.py:846-860); a module records at
+  forward whether it quantized and with which recipe, and its backward follows that
+  (module/linear.py:433-434), so wrapping one linear's forward is enough. A BF16 linear inside a
+  low-precision layer runs under `autocast(enabled=False)`, as megatron-core forces BF16 for one
+  module (mc 0.16.1 extensions/transformer_engine.py:205-215, 669-678).
 - When TE's cached quantized weights are refreshed (`refresh_quantized_weights`). TE quantizes a
   weight when `is_first_microbatch` is True and reuses that copy while it is False
   (TE `module/linear.py:253-260`, `module/base.py:1378-1446`, v2.8). megatron's TE wrappers set
@@ -56,6 +63,32 @@ def te_layer_context(decision: LayerPrecision, state: RuntimePrecisionState, rec
     def context():
         chosen = te_layer_recipe(decision, state, recipe)
         return nullcontext() if chosen is None else autocast(chosen)
+
+    return context
+
+
+def te_format_recipe(fmt: str, state: RuntimePrecisionState,
+                     recipes: dict[str, Any]) -> Optional[Any]:
+    """The recipe a GEMM of format `fmt` runs under now (None: BF16); see `te_layer_recipe`."""
+    if fmt == "bf16" or state.switched_passes == "all":
+        return None
+    if state.switched_passes is None:
+        return recipes[fmt]
+    raise ValueError(f"switch_to_bf16.passes={state.switched_passes!r} cannot run on TE layers")
+
+
+def te_linear_context(layer_format: str, linear_format: str, state: RuntimePrecisionState,
+                      recipes: dict[str, Any], autocast: Callable[[Any], Any],
+                      no_autocast: Callable[[], Any]) -> Callable[[], Any]:
+    """A factory of the context one linear's forward runs in, inside its layer's context: nothing
+    when the linear runs what its layer runs, else its own recipe or TE's autocast turned off."""
+
+    def context():
+        layer = te_format_recipe(layer_format, state, recipes)
+        linear = te_format_recipe(linear_format, state, recipes)
+        if linear is layer:
+            return nullcontext()
+        return no_autocast() if linear is None else autocast(linear)
 
     return context
 

@@ -14,6 +14,7 @@ BAD = [
     ("trainer.micro_batch_size", 0), ("trainer.global_batch_size", 0),
     ("trainer.seq_length", 0), ("trainer.max_steps", 0), ("trainer.eval_batches", 0),
     ("trainer.max_consecutive_skips", 0), ("trainer.warmup_steps", -5),
+    ("trainer.grad_health_every", -1),
     ("trainer.keep_last", -1), ("trainer.seed", -1), ("trainer.lr", -1.0), ("trainer.lr", 0.0),
     ("trainer.lr", float("nan")), ("trainer.lr", float("inf")), ("trainer.min_lr", -1e-5),
     ("trainer.min_lr", 1.0), ("trainer.decay_fraction", 1.5), ("trainer.weight_decay", -0.1),

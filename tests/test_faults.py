@@ -5,13 +5,9 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from train_helpers import FAST, REPO, read_metrics, run_train, step_losses
+from train_helpers import FAST, popen_train, read_metrics, run_train, step_losses, wait_for_step
 from training.checkpoint import latest_valid_checkpoint, verify_checkpoint
 
 # BF16 keeps these fast; the NVFP4 resume test (test_train_e2e) covers the SR RNG state.
@@ -19,23 +15,8 @@ ARGS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_ever
         "trainer.keep_last=10"]
 
 
-def _popen_train(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, "NVFP4_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}",
-                             *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists():
-            done = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
-            if done and done[-1] >= step:
-                return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} not reached")
 
 
 @pytest.mark.slow
@@ -46,8 +27,8 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_
 
     killed = tmp_path / "killed"
     kill_after = random.Random(os.getpid()).randint(2, 5)  # any moment, even mid-checkpoint
-    proc = _popen_train(killed, data_cache, *ARGS)
-    _wait_for_step(killed, kill_after, proc)
+    proc = popen_train(killed, data_cache, *ARGS)
+    wait_for_step(killed, kill_after, proc)
     # The whole process group, as a node failure would: megatron's checkpoint helpers too.
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -60,8 +41,8 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_75_then_resumes(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    proc = _popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
-    _wait_for_step(run_dir, 2, proc)
+    proc = popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
+    wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, out

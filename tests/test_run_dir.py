@@ -13,32 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import FAST, REPO, read_metrics, run_train
+from train_helpers import FAST, REPO, popen_train, read_metrics, run_train, wait_for_step
 
 LOCK_NAME = ".lock"  # training/run_dir.py (imported in the tests that use it)
 
 ARGS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100"]
 
 
-def _popen_train(run_dir: Path, cache_dir: Path, *overrides: str,
-                 env: dict | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "NVFP4_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1",
-                **(env or {})}
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}",
-                             *overrides], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists():
-            done = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
-            if done and done[-1] >= step:
-                return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} not reached")
 
 
 def _one_error_line(out: str) -> str:
@@ -102,8 +85,8 @@ def test_a_second_trainer_on_a_locked_run_dir_refuses_at_once_naming_the_holder(
 def test_two_trainers_on_one_run_dir_never_interleave_and_sigkill_leaves_no_stale_lock(
         tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    first = _popen_train(run_dir, data_cache, *ARGS)
-    _wait_for_step(run_dir, 1, first)
+    first = popen_train(run_dir, data_cache, *ARGS)
+    wait_for_step(run_dir, 1, first)
     second = run_train(run_dir, *ARGS, cache_dir=data_cache, timeout=120)  # a duplicate sbatch
     assert second.returncode == 5, second.stdout + second.stderr
     assert f"pid {first.pid} on host" in second.stdout + second.stderr
@@ -114,8 +97,8 @@ def test_two_trainers_on_one_run_dir_never_interleave_and_sigkill_leaves_no_stal
 
     # SIGKILL (a node failure) leaves the lock file but no lock: the next trainer resumes.
     killed = tmp_path / "killed"
-    proc = _popen_train(killed, data_cache, *ARGS)
-    _wait_for_step(killed, 3, proc)
+    proc = popen_train(killed, data_cache, *ARGS)
+    wait_for_step(killed, 3, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (killed / LOCK_NAME).exists()
@@ -229,8 +212,8 @@ def test_only_data_errors_map_to_missing_data(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_first_ctrl_c_checkpoints_and_exits_75(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    proc = _popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
-    _wait_for_step(run_dir, 2, proc)
+    proc = popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
+    wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, out
@@ -245,7 +228,7 @@ def test_first_ctrl_c_checkpoints_and_exits_75(tmp_path, data_cache):
 def test_second_ctrl_c_stops_at_once_with_130(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     # Long steps (and no checkpoint before the stop) leave time for the second Ctrl-C.
-    proc = _popen_train(run_dir, data_cache, *ARGS, "trainer.max_steps=50",
+    proc = popen_train(run_dir, data_cache, *ARGS, "trainer.max_steps=50",
                         "trainer.save_every=100", "trainer.seq_length=256",
                         "trainer.global_batch_size=8")
     lines: list[str] = []
@@ -259,7 +242,7 @@ def test_second_ctrl_c_stops_at_once_with_130(tmp_path, data_cache):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    _wait_for_step(run_dir, 1, proc)
+    wait_for_step(run_dir, 1, proc)
     proc.send_signal(signal.SIGINT)
     assert first_seen.wait(60), "".join(lines)
     proc.send_signal(signal.SIGINT)

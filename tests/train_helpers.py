@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,16 +19,18 @@ FAST = [
 
 
 def run_train(run_dir: Path, *overrides: str, nproc: int = 1, cache_dir: Path | None = None,
-              timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+              timeout: int = 600, env: dict | None = None,
+              script: Path | None = None) -> subprocess.CompletedProcess:
+    """train.py (or `script`, a test wrapper around it) with these overrides."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if cache_dir is not None:
         full_env["NVFP4_CACHE"] = str(cache_dir)
     args = [f"run.dir={run_dir}", *overrides]
     if nproc == 1:
-        cmd = [sys.executable, str(REPO / "train.py"), *args]
+        cmd = [sys.executable, str(script or REPO / "train.py"), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--local-ranks-filter=0", str(REPO / "train.py"), *args]
+               "--local-ranks-filter=0", str(script or REPO / "train.py"), *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -40,3 +43,26 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def step_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of the last record for that step (a resumed run re-logs its steps)."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def popen_train(run_dir: Path, cache_dir: Path, *overrides: str,
+                env: dict | None = None) -> subprocess.Popen:
+    """train.py in the background, in its own session (so a test can signal or kill the group)."""
+    full_env = {**os.environ, "NVFP4_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1",
+                **(env or {})}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}",
+                             *overrides], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
+    """Until metrics.jsonl records `step` (the process must still be running)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (Path(run_dir) / "metrics.jsonl").exists():
+            done = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+            if done and done[-1] >= step:
+                return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")

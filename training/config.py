@@ -75,6 +75,10 @@ class TrainerConfig:
     on_nan: str = "stop"
     # With on_nan=skip: this many skipped steps in a row stop the run (exit code 4).
     max_consecutive_skips: int = 3
+    # Every N steps: each layer's gradient norm and non-finite fraction -> metrics.jsonl/W&B
+    # grad/<layer>/..., and a console line (0 = off). A non-finite step is always reported with
+    # the first layer (in backward order) whose gradients went non-finite.
+    grad_health_every: int = 100
     # Shard the FP32 master weights and Adam moments over the data-parallel ranks (megatron's
     # distributed optimizer): optimizer memory per rank / data-parallel size.
     distributed_optimizer: bool = False
@@ -177,6 +181,8 @@ def check_ranges(cfg: TrainConfig) -> None:
         value = getattr(tr, key)
         _check(f"trainer.{key}", value, value >= 1, "must be >= 1")
     _check("trainer.warmup_steps", tr.warmup_steps, tr.warmup_steps >= 0, "must be >= 0")
+    _check("trainer.grad_health_every", tr.grad_health_every, tr.grad_health_every >= 0,
+           "must be >= 0 (0: off)")
     _check("trainer.keep_last", tr.keep_last, tr.keep_last >= 0,
            "must be >= 0 (0 keeps every checkpoint)")
     _check("trainer.seed", tr.seed, 0 <= tr.seed < 2**31, "must be in [0, 2**31)")

@@ -81,6 +81,17 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> Paral
     )
 
 
+def stochastic_rounding_seed(seed: int, ctx: ParallelContext) -> int:
+    """The seed of this rank's stochastic-rounding draws: distinct on every rank.
+
+    Ranks that quantize different data must not share a stream: data-parallel replicas see other
+    samples, tensor-parallel ranks other shards of the same GEMM (a shared stream would round
+    both shards with the same draws), pipeline ranks other layers. One process keeps seed + 1.
+    """
+    index = ctx.data_rank + ctx.data * (ctx.tensor_rank + ctx.tensor * ctx.pipeline_rank)
+    return seed + 1 + 1000 * index
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

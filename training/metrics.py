@@ -75,6 +75,20 @@ def data_line(m: dict[str, Any]) -> str:
     return f"data: phase {m.get('data/phase', 0)} | tokens " + ", ".join(parts)
 
 
+def grad_health_line(m: dict[str, Any], top: int = 3) -> str:
+    """The largest per-layer gradient norms and how many layers hold NaN/Inf (grad/... keys)."""
+    norms = {k[5:-5]: v for k, v in m.items() if k.startswith("grad/") and k.endswith("/norm")}
+    fracs = {k[5:-15]: v for k, v in m.items()
+             if k.startswith("grad/") and k.endswith("/nonfinite_frac")}
+    largest = sorted(((v, k) for k, v in norms.items() if math.isfinite(v)), reverse=True)[:top]
+    bad = [k for k, v in fracs.items() if v > 0]
+    parts = []
+    if largest:
+        parts.append("largest norms " + ", ".join(f"{k} {v:.3g}" for v, k in largest))
+    parts.append(f"non-finite in {len(bad)} of {len(fracs)} layers" if bad else "all finite")
+    return "grad health: " + " | ".join(parts)
+
+
 class MetricsSink:
     """metrics.jsonl + W&B. Non-main ranks get a sink that does nothing."""
 
@@ -102,8 +116,8 @@ class MetricsSink:
 
 
 def wandb_key(key: str) -> str:
-    """train/... for training values, val/... for validation; data/ and quant/ keep theirs."""
-    if key.startswith(("data/", "quant/", "event")):
+    """train/... for training values, val/... for validation; data/, quant/, grad/ keep theirs."""
+    if key.startswith(("data/", "quant/", "grad/", "event")):
         return key
     if key.startswith("val_"):
         return "val/" + key[4:]

@@ -7,7 +7,8 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -18,15 +19,17 @@ from omegaconf import OmegaConf
 from data import MissingDataError, build_data, validate_config
 from model.build import build_model, choose_backend
 from model.compat import seed_model_parallel_rng
-from nvfp4_recipe.policy import describe_kernels
+from model.plan import run_preflight
+from nvfp4_recipe.policy import describe_kernels, low_precision_formats
 from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
                                      refresh_quantized_weights)
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, validate
-from .distributed import ParallelContext, init_distributed, shutdown
-from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line, render,
-                      setup_logging, start_wandb, status_line)
+from .distributed import ParallelContext, init_distributed, shutdown, stochastic_rounding_seed
+from .grad_health import GradHealth
+from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line,
+                      grad_health_line, render, setup_logging, start_wandb, status_line)
 from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
                               optimizer_checkpoint_format, optimizer_state_bytes)
 from .optim import WSDScheduler
@@ -100,6 +103,7 @@ class StepResult:
     grad_norm: float
     lr: float  # the learning rate this step used
     skipped: bool
+    health: dict[str, float] = field(default_factory=dict)  # grad/<layer>/... when measured
 
 
 class Trainer:
@@ -136,8 +140,8 @@ class Trainer:
         self.optimizer_format = optimizer_checkpoint_format(ctx.device, tr.distributed_optimizer)
         self.scheduler = WSDScheduler(self.optimizer, tr)
         self.weight_caches = modules_with_weight_cache(self.core)  # TE's quantized weights
-        # Different stochastic-rounding draws per data-parallel replica, identical otherwise.
-        torch.manual_seed(tr.seed + 1000 * ctx.data_rank + 1)
+        # Each rank draws its own stochastic-rounding stream (saved with its checkpoint).
+        torch.manual_seed(stochastic_rounding_seed(tr.seed, ctx))
 
         self.step = 0
         self.skipped_steps = 0
@@ -151,6 +155,11 @@ class Trainer:
                  + (f"; first {policy.first} / last {policy.last} pattern layers in BF16"
                     if cfg.precision.format != "bf16" else "")
                  + (f"; {kernels}" if kernels else ""))
+        if low_precision_formats(cfg.precision):
+            log.info(f"precision map (each linear's Fprop/Dgrad/Wgrad; runs of pattern layers "
+                     f"that have the linear): {policy.describe_map()}")
+            for line in run_preflight(cfg, backend).summary():
+                log.info(line)
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
                  f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step")
@@ -220,19 +229,23 @@ class Trainer:
             t /= dist.get_world_size(group)
         return t
 
-    def train_step(self, micro_batches: list[dict]) -> StepResult:
+    def train_step(self, micro_batches: list[dict],
+                   sink: Optional[MetricsSink] = None) -> StepResult:
         from megatron.core import parallel_state
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         refresh_quantized_weights(self.weight_caches)
+        self.grad_health.begin_step()
         # Diagnostics, when due, record each linear's last micro-batch.
         self.built.runtime_state.collect_diagnostics = self._diagnostics_due()
         # Forward, backward and the data-parallel gradient sync (megatron's finalize_model_grads).
         total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape)
         self.built.runtime_state.collect_diagnostics = False
         loss = self._all_reduce_mean(total, parallel_state.get_data_parallel_group()).item()
+        # Per-layer gradient health when due: the synced main grads, before clipping scales them.
+        health = self.grad_health.collect() if self._grad_health_due() else None
         # megatron's optimizer.step(), split so that a non-finite norm can skip the update.
         self.optimizer.prepare_grads()
         clip = self.cfg.trainer.grad_clip
@@ -240,11 +253,14 @@ class Trainer:
                           else self.optimizer.get_grad_norm())
         lr = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # (Collected after clipping, its non-finite counts hold; its norms may not.)
+            stats = health or self.grad_health.collect()
+            where = self._report_nonfinite(stats, loss, grad_norm, sink)
             if self.cfg.trainer.on_nan == "stop":
                 raise TrainingError(
-                    f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite; "
-                    "stopping without a checkpoint (trainer.on_nan=skip skips such steps)",
-                    ExitCode.DIVERGED)
+                    f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite "
+                    f"({where}); stopping without a checkpoint (trainer.on_nan=skip skips such "
+                    "steps)", ExitCode.DIVERGED)
             self.skipped_steps += 1
             self.consecutive_skips += 1
             limit = self.cfg.trainer.max_consecutive_skips
@@ -256,11 +272,37 @@ class Trainer:
                     "one is kept)", ExitCode.DIVERGED)
             self.optimizer.zero_grad()
             self.scheduler.step()
-            return StepResult(loss, grad_norm, lr, skipped=True)
+            return StepResult(loss, grad_norm, lr, skipped=True,
+                              health=stats.metrics(norms=health is not None))
         self.consecutive_skips = 0
         self.optimizer.step_with_ready_grads()
         self.scheduler.step()
-        return StepResult(loss, grad_norm, lr, skipped=False)
+        return StepResult(loss, grad_norm, lr, skipped=False,
+                          health=health.metrics() if health else {})
+
+    @cached_property
+    def grad_health(self) -> GradHealth:
+        """Per-layer gradient statistics and the input-gradient hooks (training/grad_health.py)."""
+        return GradHealth(self.core, self.model, self.optimizer, self.cfg.model.layer_kinds(),
+                          self.ctx.device)
+
+    def _grad_health_due(self) -> bool:
+        every = self.cfg.trainer.grad_health_every
+        return every > 0 and (self.step + 1) % every == 0
+
+    def _report_nonfinite(self, stats, loss: float, grad_norm: float,
+                          sink: Optional[MetricsSink]) -> str:
+        """Name the first layer, in backward order, whose gradients went non-finite."""
+        groups = stats.nonfinite_groups()
+        first = groups[0] if groups else None
+        if sink is not None:
+            sink.event(self.step + 1, "nonfinite", first_layer=first,
+                       nonfinite_layers=len(groups), loss=loss, grad_norm=grad_norm)
+        if first is None:
+            return "no gradient element is non-finite: the norm overflowed"
+        return (f"first non-finite gradient in backward order: {first}"
+                + ("; the loss itself is not finite: the forward pass went non-finite"
+                   if not math.isfinite(loss) else ""))
 
     def _diagnostics_due(self) -> bool:
         every = self.cfg.precision.diagnostics_every
@@ -325,20 +367,22 @@ class Trainer:
                 self._maybe_switch_precision(sink)
                 t0 = time.perf_counter()
                 micro_batches = self.data.train.next_global_batch()
-                result = self.train_step(micro_batches)
+                result = self.train_step(micro_batches, sink)
                 self.step += 1
                 dt = time.perf_counter() - t0
                 metrics = {"consumed_tokens": self.consumed_tokens, "loss": result.loss,
                            "lr": result.lr, "grad_norm": result.grad_norm,
                            "tokens_per_sec": self.tokens_per_step / dt,
                            "skipped_steps": self.skipped_steps,
-                           **self.data.train.metrics()}
+                           **self.data.train.metrics(), **result.health}
                 if self.step % tr.eval_every == 0 or self.step == tr.max_steps:
                     metrics["val_loss"] = self.evaluate()
                 diagnostics = self._collect_diagnostics()
                 if diagnostics:
                     metrics.update(diagnostics)
                     log.info(diagnostics_summary(diagnostics))
+                if result.health:
+                    log.info(grad_health_line(result.health))
                 elapsed = time.perf_counter() - t_start
                 eta = elapsed / (self.step - start_step) * (tr.max_steps - self.step)
                 if self.step % tr.log_every == 0 or "val_loss" in metrics:
@@ -471,9 +515,13 @@ def run(cfg) -> int:
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
         validate(cfg, ctx.world_size)
         validate_config(cfg.data, check_files=True)  # before anything is written
-        if choose_backend(cfg.precision, cfg.model.spec)[0] == "te":
+        backend = choose_backend(cfg.precision, cfg.model.spec)[0]
+        if backend == "te":
             switch = cfg.precision.switch_to_bf16
             check_te_switch(switch.passes, switch.at_fraction)
+        refusal = run_preflight(cfg, backend).refusal()  # also: an override matching nothing
+        if refusal:
+            raise ValueError(refusal)
         run_dir = prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
         return Trainer(cfg, ctx, stop).fit()

@@ -1,0 +1,201 @@
+"""Gradient health: per-layer norms that match the gradients, and the layer a NaN began in."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+from nan_injection import NaNGradient, inject
+from train_helpers import FAST, REPO, read_metrics, run_train
+from training.grad_health import group_names, layer_name, param_group
+from training.metrics import MetricsSink, grad_health_line, wandb_key
+
+KINDS = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp", "mamba", "mlp"]  # M-M*-M-M-
+GROUPS = ["embedding", *(layer_name(i, KINDS) for i in range(9)), "final_norm", "output_layer"]
+HEALTH_KEYS = {f"grad/{g}/{s}" for g in GROUPS for s in ("norm", "nonfinite_frac")}
+
+
+@pytest.fixture
+def make_trainer(tmp_path, data_cache, monkeypatch):
+    """A one-process Trainer on the CPU demo (gloo), torn down after the test."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from training.config import register_configs
+    from training.distributed import init_distributed, shutdown
+    from training.trainer import Trainer, prepare_run_dir
+
+    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
+    register_configs()
+
+    def make(*overrides: str) -> Trainer:
+        with initialize_config_dir(str(REPO / "recipes"), version_base=None):
+            raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path}", *overrides])
+        cfg = OmegaConf.to_object(raw)
+        ctx = init_distributed(1, 1, "gloo")
+        prepare_run_dir(cfg, ctx)
+        return Trainer(cfg, ctx)
+
+    yield make
+    shutdown()
+
+
+def test_group_names_are_global_pattern_indices():
+    assert layer_name(7, KINDS) == "layer_07.mamba"
+    assert layer_name(3, ["mlp"] * 120) == "layer_003.mlp"
+    assert group_names(KINDS)[1:] == GROUPS
+    # a pipeline stage holding layers 5..8 numbers its local layer 2 as pattern layer 7
+    assert param_group("decoder.layers.2.mixer.in_proj.weight", 5, KINDS) == "layer_07.mamba"
+    assert param_group("embedding.word_embeddings.weight", 5, KINDS) == "embedding"
+    assert param_group("decoder.final_norm.weight", 0, KINDS) == "final_norm"
+    assert param_group("output_layer.weight", 0, KINDS) == "output_layer"
+    assert wandb_key("grad/layer_07.mamba/norm") == "grad/layer_07.mamba/norm"
+
+
+def _reference(core) -> tuple[dict, dict]:
+    """Per group, torch.linalg.norm of all its main grads and its non-finite fraction."""
+    grads = defaultdict(list)
+    for name, p in core.named_parameters():
+        grads[param_group(name, 0, KINDS)].append(p.main_grad.detach().reshape(-1).double())
+    flat = {g: torch.cat(v) for g, v in grads.items()}
+    return ({g: torch.linalg.norm(v).item() for g, v in flat.items()},
+            {g: (~torch.isfinite(v)).double().mean().item() for g, v in flat.items()})
+
+
+def test_every_layer_norm_matches_its_gradients(make_trainer):
+    trainer = make_trainer("trainer.grad_health_every=1", "trainer.grad_clip=0")  # no clipping:
+    result = trainer.train_step(trainer.data.train.next_global_batch())  # main grads kept as is
+    norms, fracs = _reference(trainer.core)
+    assert sorted(norms) == sorted(GROUPS)
+    assert set(result.health) == HEALTH_KEYS
+    for group in GROUPS:
+        got = result.health[f"grad/{group}/norm"]
+        assert math.isfinite(got) and got > 0, group
+        assert got == pytest.approx(norms[group], rel=1e-9), group
+        assert result.health[f"grad/{group}/nonfinite_frac"] == fracs[group] == 0.0
+    # the groups partition the model: their norms make up the step's gradient norm
+    total = math.sqrt(sum(v * v for v in norms.values()))
+    assert total == pytest.approx(result.grad_norm, rel=1e-5)
+    line = grad_health_line(result.health)
+    assert line.startswith("grad health: largest norms ") and line.endswith("all finite")
+    # every 2 steps: step 2 is measured, step 3 is not
+    trainer.cfg.trainer.grad_health_every = 2
+    for trainer.step, due in ((1, True), (2, False)):
+        assert bool(trainer.train_step(trainer.data.train.next_global_batch()).health) == due
+
+
+def test_nan_in_a_layers_backward_names_that_layer(make_trainer, tmp_path):
+    trainer = make_trainer("trainer.on_nan=skip", "trainer.grad_health_every=0")
+    inject(trainer.core, layer=7)  # layer 7's backward receives NaN: layers 7..0 go NaN
+    sink = MetricsSink(tmp_path, enabled=True)
+    result = trainer.train_step(trainer.data.train.next_global_batch(), sink)
+    assert result.skipped
+    (event,) = [m for m in read_metrics(tmp_path) if m.get("event") == "nonfinite"]
+    assert event["first_layer"] == "layer_07.mamba" and event["step"] == 1
+    assert event["nonfinite_layers"] == 9  # layers 7..0 and the embedding
+    # a non-finite step records each group's non-finite fraction (norms only when due)
+    fracs = {k.split("/")[1]: v for k, v in result.health.items()}
+    assert set(fracs) == set(GROUPS) and not any(k.endswith("/norm") for k in result.health)
+    assert [g for g in GROUPS if fracs[g] > 0] == GROUPS[:9]  # embedding, layers 0..7
+    assert "non-finite in 9 of 12 layers" in grad_health_line(result.health)
+
+
+def test_nan_born_in_an_input_gradient_is_pinned_on_the_layer_not_the_one_below(make_trainer):
+    """Layer 5's backward returns NaN for its input while its own weight grads stay finite:
+    the parameters tell only that layer 4 and below went NaN; the input-gradient hook names 5."""
+    trainer = make_trainer("trainer.on_nan=stop", "trainer.grad_health_every=1")
+    trainer.grad_health  # its hooks first: they see the input before the injection wraps it
+
+    def nan_input_grad(_module, args, kwargs):
+        if torch.is_grad_enabled():
+            kwargs["hidden_states"] = NaNGradient.apply(kwargs["hidden_states"])
+        return args, kwargs
+
+    trainer.core.decoder.layers[5].register_forward_pre_hook(nan_input_grad, with_kwargs=True)
+    from training.trainer import TrainingError
+
+    with pytest.raises(TrainingError) as err:
+        trainer.train_step(trainer.data.train.next_global_batch())
+    assert err.value.code == 4
+    assert "first non-finite gradient in backward order: layer_05.mamba" in str(err.value)
+    stats = trainer.grad_health.collect()
+    bad = dict(zip(stats.names, stats.nonfinite))
+    assert bad["layer_05.mamba"] == 0 and bad["layer_04.mlp"] > 0  # layer 5's weights: finite
+    assert stats.nonfinite_groups()[:2] == ["layer_05.mamba", "layer_04.mlp"]
+
+
+def test_hooks_change_no_gradient(make_trainer):
+    """The statistics read the gradients; the step is the one without them, bit for bit."""
+    trainer = make_trainer("trainer.grad_health_every=1", "trainer.grad_clip=0")
+    batch = trainer.data.train.next_global_batch()
+    weights = [p.detach().clone() for p in trainer.core.parameters()]
+    first = trainer.train_step(batch)
+    grads = [p.main_grad.clone() for p in trainer.core.parameters()]
+    for p, w in zip(trainer.core.parameters(), weights):  # the same step again, unwatched
+        p.data.copy_(w)
+    trainer.grad_health.remove()
+    trainer.cfg.trainer.grad_health_every = 0
+    trainer.step = 0
+    from training.pipeline import run_micro_batches
+
+    trainer.model.zero_grad_buffer()
+    loss = run_micro_batches(trainer.model, batch, trainer.ctx, trainer.activation_shape)
+    assert loss.item() == first.loss
+    assert all(torch.equal(p.main_grad, g) for p, g in zip(trainer.core.parameters(), grads))
+
+
+ARGS = [*FAST, "trainer.max_steps=2", "trainer.eval_every=100", "trainer.save_every=100",
+        "trainer.grad_health_every=1", "trainer.grad_clip=0", "trainer.on_nan=skip"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data_cache) -> dict:
+    """Step 1's record of a one-process run: the per-layer norms every layout must reproduce."""
+    run_dir = tmp_path_factory.mktemp("grad-health") / "single"
+    proc = run_train(run_dir, *ARGS, "trainer.max_steps=1", cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = read_metrics(run_dir)
+    assert {k for k in record if k.startswith("grad/")} == HEALTH_KEYS
+    return record
+
+
+def _same_health(got: dict, want: dict, rel: float) -> None:
+    assert {k for k in got if k.startswith("grad/")} == HEALTH_KEYS  # each layer once
+    for key in HEALTH_KEYS:
+        assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-12), key
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_report_every_layer_once_and_name_the_nan_layer(
+        tmp_path, data_cache, one_process):
+    """Layer 7 lives on the second stage (5 + 4 layers); rank 0, which logs, learns of it from
+    rank 1. Step 1 is clean (per-layer norms as one process measures them), step 2 injects."""
+    proc = run_train(tmp_path, *ARGS, "parallel.pipeline=2", "parallel.first_stage_layers=5",
+                     nproc=2, cache_dir=data_cache, script=REPO / "tests" / "nan_injection.py",
+                     env={"NAN_LAYER": "7", "NAN_AFTER": "2"})  # 2 micro-batches per step
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log  # step 2 skipped
+    assert "event: nonfinite at step 2 first_layer=layer_07.mamba" in log
+    records = read_metrics(tmp_path)
+    _same_health(records[0], one_process, rel=1e-3)  # fp32 summation order only
+    (event,) = [m for m in records if m.get("event") == "nonfinite"]
+    assert event["step"] == 2 and event["first_layer"] == "layer_07.mamba"
+    assert records[-1]["step"] == 2 and records[-1]["skipped_steps"] == 1
+    assert records[-1]["grad/layer_07.mamba/nonfinite_frac"] == 1.0
+    assert records[-1]["grad/layer_08.mlp/nonfinite_frac"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,rel", [
+    ("parallel.tensor=2", 2e-3),  # TP duplicates (norm weights) counted once; BF16 TP GEMMs
+    ("trainer.distributed_optimizer=true", 1e-9),  # DP=2: each rank's own reduced shard
+])
+def test_tensor_parallel_and_sharded_grads_report_the_one_process_norms(
+        tmp_path, data_cache, one_process, layout, rel):
+    proc = run_train(tmp_path, *ARGS, "trainer.max_steps=1", layout, nproc=2,
+                     cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _same_health(read_metrics(tmp_path)[0], one_process, rel)
