@@ -255,7 +255,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             # (Collected after clipping, its non-finite counts hold; its norms may not.)
             stats = health or self.grad_health.collect()
-            where = self._report_nonfinite(stats, loss, grad_norm, sink)
+            where = self._report_nonfinite(stats, loss, sink)
             if self.cfg.trainer.on_nan == "stop":
                 raise TrainingError(
                     f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite "
@@ -290,14 +290,14 @@ class Trainer:
         every = self.cfg.trainer.grad_health_every
         return every > 0 and (self.step + 1) % every == 0
 
-    def _report_nonfinite(self, stats, loss: float, grad_norm: float,
-                          sink: Optional[MetricsSink]) -> str:
+    def _report_nonfinite(self, stats, loss: float, sink: Optional[MetricsSink]) -> str:
         """Name the first layer, in backward order, whose gradients went non-finite."""
         groups = stats.nonfinite_groups()
         first = groups[0] if groups else None
         if sink is not None:
+            # The step's own record carries its loss and grad norm (one "loss" per step).
             sink.event(self.step + 1, "nonfinite", first_layer=first,
-                       nonfinite_layers=len(groups), loss=loss, grad_norm=grad_norm)
+                       nonfinite_layers=len(groups))
         if first is None:
             return "no gradient element is non-finite: the norm overflowed"
         return (f"first non-finite gradient in backward order: {first}"
