@@ -352,13 +352,17 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
         try:
             seed_model_parallel_rng(1234)
             try:
-                built = build_model(model_cfg, precision, vocab_size=vocab, backend=backend)
+                built = build_model(model_cfg, precision, vocab_size=vocab, backend=backend,
+                                    params_dtype=torch.bfloat16)
             except Exception as exc:  # e.g. the TE spec without mamba_ssm: fall back, say so
                 if backend != "te":
                     raise
                 backend, reason = "emulated", f"TE build failed ({type(exc).__name__}: {exc})"[:160]
                 path = "emulated (nvfp4_recipe, fast)" if fmt == "nvfp4" else "torch bf16"
-                built = build_model(model_cfg, precision, vocab_size=vocab, backend=backend)
+                built = build_model(model_cfg, precision, vocab_size=vocab, backend=backend,
+                                    params_dtype=torch.bfloat16)
+            # BF16 weights and activations as in training (TE's NVFP4 quantizer with RHT takes
+            # BF16 only); AdamW directly on them stands in for the FP32-master optimizer step.
             model = built.module.to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
