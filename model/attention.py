@@ -3,16 +3,29 @@
 megatron-core's local `DotProductAttention` allocates its score buffer on
 `torch.cuda.current_device()` (0.16.1, `utils.py:631`), so on CPU we own this component.
 Softmax and both batched GEMMs run in FP32 (the recipe keeps attention internals high precision).
+Under selective recompute (megatron's `recompute_modules=["core_attn"]`) it recomputes itself,
+with the checkpoint of the device (model/recompute.py); `PortableSelfAttention` keeps megatron's
+Attention from checkpointing it a second time with its CUDA-only checkpoint.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .recompute import checkpoint_implementation, recompute
+
+
+def recomputes_core_attention(config: TransformerConfig) -> bool:
+    """megatron's test for selective core-attention recompute (mc 0.16.1 attention.py:328-331)."""
+    return (config.recompute_granularity == "selective"
+            and "core_attn" in (config.recompute_modules or ()))
 
 
 class SDPACoreAttention(MegatronModule):
@@ -39,11 +52,18 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError(f"only causal self-attention is supported, got {attn_mask_type}")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        self.recompute = recomputes_core_attention(config)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences and attention bias need the TE spec")
+        if self.recompute and self.training and torch.is_grad_enabled():
+            implementation = checkpoint_implementation(cuda=query.is_cuda, te_layers=False)
+            return recompute(self._attention, query, key, value, implementation=implementation)
+        return self._attention(query, key, value)
+
+    def _attention(self, query, key, value):
         seq, batch, heads, head_dim = query.shape
         groups = key.shape[2]
         # [s, b, n, d] -> [b, n, s, d]; repeat KV heads for GQA.
@@ -56,3 +76,13 @@ class SDPACoreAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0,
         )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim).to(query.dtype)
+
+
+class PortableSelfAttention(SelfAttention):
+    """megatron's SelfAttention whose core attention (SDPACoreAttention) does its own selective
+    recompute: megatron's `_checkpointed_attention_forward` calls `tensor_parallel.checkpoint`,
+    which needs CUDA (mc 0.16.1 attention.py:415; tensor_parallel/random.py:55)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpoint_core_attention = False  # read at forward: attention.py:1134 (0.16.1)

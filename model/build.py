@@ -16,6 +16,7 @@ from nvfp4_recipe.te_runtime import te_layer_context, te_linear_context
 from . import compat
 from .backend import SPEC_OF_BACKEND, choose_backend  # noqa: F401  (choose_backend: re-exported)
 from .config import ModelConfig
+from .recompute import RecomputeConfig
 from .specs import LINEAR_NAMES, portable_layer_spec, te_layer_spec, with_linear_contexts
 from .stack import HybridStack
 
@@ -44,9 +45,12 @@ def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int) -> i
 def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        initialize: bool = True, num_layers_in_first_stage=None,
                        num_layers_in_last_stage=None,
-                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+                       params_dtype: torch.dtype = torch.float32,
+                       recompute: RecomputeConfig = RecomputeConfig(),
+                       sequence_parallel: bool = False) -> TransformerConfig:
     """megatron's config for the model. Training passes params_dtype=bf16 (BF16 weights and
     activations; FP32 master weights live in the optimizer); float32 serves exact comparisons."""
+    recompute.validate()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -75,7 +79,8 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         pipeline_model_parallel_size=pipeline_parallel,
         num_layers_in_first_pipeline_stage=num_layers_in_first_stage,
         num_layers_in_last_pipeline_stage=num_layers_in_last_stage,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
+        **recompute.megatron_fields(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
@@ -88,6 +93,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 tensor_parallel: int = 1, pipeline_parallel: int = 1, pre_process: bool = True,
                 post_process: bool = True, pg_collection=None, initialize: bool = True,
                 backend: str | None = None, params_dtype: torch.dtype = torch.float32,
+                recompute: RecomputeConfig = RecomputeConfig(), sequence_parallel: bool = False,
                 **stage_kwargs) -> BuiltModel:
     """The megatron-core hybrid model with one layer spec per pattern layer."""
     cfg.validate()
@@ -125,11 +131,13 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     stack_spec = ModuleSpec(
         module=HybridStack,
         params={"layer_specs": layer_specs, "layer_kinds": cfg.layer_kinds(),
-                "layer_contexts": contexts},
+                "layer_contexts": contexts, "recompute_config": recompute,
+                "te_layers": backend == "te"},
     )
     config = transformer_config(cfg, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, initialize=initialize,
-                                params_dtype=params_dtype, **stage_kwargs)
+                                params_dtype=params_dtype, recompute=recompute,
+                                sequence_parallel=sequence_parallel, **stage_kwargs)
     model_cls = compat.hybrid_model_class()
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     module = model_cls(

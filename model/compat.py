@@ -14,12 +14,21 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    wrapper; `te_no_autocast` is the same choice with the autocast off.
 4. `seed_model_parallel_rng`: megatron's `model_parallel_cuda_manual_seed` reads the CUDA RNG
    (`random.py:235`, 0.16.1); on CPU we seed torch's RNG only (CPU initialisation draws full
-   weights, identical on every TP rank, and dropout is 0).
-5. `cpu_dist_checkpoint_save`: the one patch. megatron's distributed-checkpoint save calls
+   weights, identical on every TP rank, and dropout is 0) and install megatron's own no-op
+   tracker (`initialize_rng_tracker(inference_rng_tracker=True)`, random.py:286-342; same API in
+   core_v0.19.0 random.py:354), whose `fork()` is a null context: the sequence-parallel
+   embedding forks the tracker around its dropout (language_model_embedding.py:145).
+5. `cpu_dist_checkpoint_save`: a patch. megatron's distributed-checkpoint save calls
    `torch.cuda.synchronize()` after staging tensors (`filesystem_async.py:230`) and allocates a
    status flag on `torch.cuda.current_device()` (`state_dict_saver.py:252`). On a machine without
    CUDA, and only for the duration of a save, those two names become "nothing to wait for" and
-   "the CPU". Items 1-4 select or replace; they never edit a library's globals.
+   "the CPU".
+6. `cpu_sequence_parallel_buffers`: a patch. megatron's sequence-parallel communication
+   allocates its gather / reduce-scatter outputs on `torch.cuda.current_device()`
+   (tensor_parallel/mappings.py:141,181, layers.py:559, utils.py:631 in 0.16.1). On a machine
+   without CUDA, and only while a step's forward and backward run with sequence parallelism,
+   that name returns "cpu"; the gloo collectives themselves run on CPU tensors.
+Items 1-4 select or replace; they never edit a library's globals.
 """
 
 from __future__ import annotations
@@ -85,8 +94,10 @@ def seed_model_parallel_rng(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
     # On CPU there is nothing more to seed: use_cpu_initialization draws each full master
     # weight from the common stream (identical on every TP rank) and dropout is 0.
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 @contextmanager
@@ -102,3 +113,17 @@ def cpu_dist_checkpoint_save():
         yield
     finally:
         torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+@contextmanager
+def cpu_sequence_parallel_buffers(sequence_parallel: bool):
+    """Let megatron's sequence-parallel mappings run on a CPU-only machine (see item 6)."""
+    if not sequence_parallel or torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved

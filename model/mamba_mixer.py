@@ -51,6 +51,7 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+from model.recompute import checkpoint_implementation, recompute
 from model.ssd import ssd_chunk_scan
 
 __all__ = ["MambaMixer", "MambaMixerSubmodules", "GatedRMSNorm", "mamba_kernels",
@@ -487,7 +488,15 @@ class MambaMixer(MegatronModule):
                 "MambaMixer (model.mamba_mixer): packed sequences are not supported"
             )
         zxBCdt, _ = self.in_proj(hidden_states)  # [s, b, in_proj_local]
-        y = self.ssm(zxBCdt)  # [s, b, d_inner_local]
+        if (self.config.recompute_granularity == "selective" and self.training
+                and torch.is_grad_enabled()):
+            # Selective recompute: conv1d, the scan and the gated norm are cheap next to the
+            # projections, and the PyTorch scan's chunk intermediates are the layer's largest
+            # activations; no random draws happen here (model/recompute.py).
+            implementation = checkpoint_implementation(cuda=zxBCdt.is_cuda, te_layers=False)
+            y = recompute(self.ssm, zxBCdt, implementation=implementation)
+        else:
+            y = self.ssm(zxBCdt)  # [s, b, d_inner_local]
         out, out_bias = self.out_proj(y)
         return out, out_bias
 

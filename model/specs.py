@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from nvfp4_recipe.parallel_linear import (
@@ -32,7 +33,7 @@ from nvfp4_recipe.parallel_linear import (
 )
 from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisionState
 
-from .attention import SDPACoreAttention
+from .attention import PortableSelfAttention, SDPACoreAttention
 from .config import ModelConfig
 from .mamba_mixer import MambaMixer, MambaMixerSubmodules
 
@@ -56,18 +57,34 @@ def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: Run
     return tuple(specs)
 
 
-class TorchNormWithConfigEps(WrappedTorchNorm):
-    """megatron's torch norm with eps = config.layernorm_epsilon unless the caller passes one.
+class TorchNorm:
+    """The portable spec's norm: torch's RMSNorm (or LayerNorm), as megatron's WrappedTorchNorm
+    builds it, with two differences.
 
-    MambaLayer builds its pre-norm from (config, hidden_size) alone, so it gets 1e-5 whatever the
-    config says: through build_module in mc 0.16.1 (ssm/mamba_layer.py:85), by calling
-    `submodules.norm(config, hidden_size)` in core_v0.17.1 / core_v0.18.0 (ssm/mamba_layer.py:91 /
-    :98). A ModuleSpec param would not survive the latter; a class works with both.
+    - eps = config.layernorm_epsilon unless the caller passes one. MambaLayer builds its pre-norm
+      from (config, hidden_size) alone, so it would get 1e-5 whatever the config says: through
+      build_module in mc 0.16.1 (ssm/mamba_layer.py:85), by calling `submodules.norm(config,
+      hidden_size)` in core_v0.17.1 / core_v0.18.0 (ssm/mamba_layer.py:91 / :98). A ModuleSpec
+      param would not survive the latter; a class works with both.
+    - Sequence parallelism: WrappedTorchNorm refuses it (mc 0.16.1 torch_norm.py:32). A norm
+      only needs its weight's gradient summed over the tensor-parallel group, since each rank
+      normalises its own slice of the sequence; as megatron's TE norms do
+      (extensions/transformer_engine.py:651), the parameters are marked `sequence_parallel`,
+      which finalize_model_grads all-reduces (distributed/finalize_model_grads.py:354).
     """
 
-    def __new__(cls, config, hidden_size: int, eps: float | None = None, **kwargs):
+    def __new__(cls, config, hidden_size: int, eps: float | None = None, **_unused):
         eps = config.layernorm_epsilon if eps is None else eps
-        return WrappedTorchNorm.__new__(cls, config, hidden_size, eps=eps, **kwargs)
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("zero-centred gamma and memory-efficient norms need the TE spec")
+        norm_classes = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in norm_classes:
+            raise ValueError(f"normalization={config.normalization!r}: the portable spec has "
+                             "RMSNorm and LayerNorm")
+        norm = norm_classes[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def portable_layer_spec(
@@ -79,7 +96,7 @@ def portable_layer_spec(
         return ModuleSpec(
             module=MambaLayer,
             submodules=MambaLayerSubmodules(
-                norm=TorchNormWithConfigEps,
+                norm=TorchNorm,
                 mixer=ModuleSpec(
                     module=MambaMixer,
                     params={"chunk_size": model.mamba_chunk_size},
@@ -92,9 +109,9 @@ def portable_layer_spec(
         return ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(
-                input_layernorm=WrappedTorchNorm,
+                input_layernorm=TorchNorm,
                 self_attention=ModuleSpec(
-                    module=SelfAttention,
+                    module=PortableSelfAttention,
                     params={"attn_mask_type": AttnMaskType.causal},
                     submodules=SelfAttentionSubmodules(
                         linear_qkv=column, core_attention=SDPACoreAttention, linear_proj=row
@@ -107,7 +124,7 @@ def portable_layer_spec(
         return ModuleSpec(
             module=MLPLayer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=WrappedTorchNorm,
+                pre_mlp_layernorm=TorchNorm,
                 mlp=ModuleSpec(
                     module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)
                 ),

@@ -3,7 +3,8 @@
 megatron's stack builds every layer of a kind from one shared spec and hard-wires a TE final
 norm (`mamba_block.py:166`, 0.16.1). Our stack takes the per-layer specs the precision policy
 produced, a per-layer context (TE autocast for low-precision layers on Blackwell, none
-otherwise) and a portable final norm. Pipeline slicing and sharded checkpoint keys are
+otherwise) and a portable final norm (sequence-parallel aware), and does megatron's full
+activation recompute (model/recompute.py) with the checkpoint of its device and layers. Pipeline slicing and sharded checkpoint keys are
 megatron's (inherited), so checkpoints stay compatible with its layout.
 """
 
@@ -16,12 +17,14 @@ import torch
 from torch import nn
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from .compat import base_stack_class
 from .config import LAYER_SYMBOLS
+from .recompute import (RecomputeConfig, checkpoint_implementation, checkpointed_chunks,
+                        recompute)
+from .specs import TorchNorm
 
 KIND_TO_SYMBOL = {kind: symbol for symbol, kind in LAYER_SYMBOLS.items()}
 
@@ -35,7 +38,7 @@ class HybridStack(base_stack_class()):  # megatron-core's MambaStack / HybridSta
         layer_specs: Sequence[ModuleSpec],
         layer_kinds: Sequence[str],
         layer_contexts: Optional[Sequence[Callable]] = None,
-        final_norm: ModuleSpec | type = WrappedTorchNorm,
+        final_norm: ModuleSpec | type = TorchNorm,
         residual_in_fp32: bool = False,
         pre_process: bool = True,
         post_layer_norm: bool = True,
@@ -43,6 +46,8 @@ class HybridStack(base_stack_class()):  # megatron-core's MambaStack / HybridSta
         pg_collection=None,
         layer_type_list=None,
         pp_layer_offset=None,
+        recompute_config: RecomputeConfig = RecomputeConfig(),
+        te_layers: bool = False,
         **_megatron_kwargs,  # hybrid ratios / pattern: the layer specs already fix the layers
     ) -> None:
         MegatronModule.__init__(self, config=config)
@@ -51,6 +56,8 @@ class HybridStack(base_stack_class()):  # megatron-core's MambaStack / HybridSta
                 f"{len(layer_specs)} layer specs for a {config.num_layers}-layer pattern"
             )
         self.residual_in_fp32 = residual_in_fp32
+        self.recompute_config = recompute_config  # config.recompute_* carry the same (megatron's)
+        self.te_layers = te_layers  # Transformer Engine layers recompute under TE's checkpoint
         self.pre_process, self.post_process = pre_process, post_process
         self.post_layer_norm = post_layer_norm
         self.pp_group, self.tp_group = pg_collection.pp, pg_collection.tp
@@ -102,20 +109,40 @@ class HybridStack(base_stack_class()):  # megatron-core's MambaStack / HybridSta
             raise NotImplementedError("inference contexts are not supported by this trainer")
         if not self.pre_process:
             hidden_states = self.input_tensor  # from the previous pipeline stage
-        for layer, context in zip(self.layers, self.layer_contexts):
-            with context():
-                if isinstance(layer, TransformerLayer):
-                    hidden_states, _ = layer(
-                        hidden_states=hidden_states, attention_mask=attention_mask,
-                        packed_seq_params=packed_seq_params,
-                    )
-                else:
-                    hidden_states = layer(
-                        hidden_states=hidden_states, attention_mask=attention_mask,
-                        packed_seq_params=packed_seq_params,
-                    )
+        recomputing = self.training and torch.is_grad_enabled()
+        chunks = checkpointed_chunks(len(self.layers), self.recompute_config if recomputing
+                                     else RecomputeConfig())
+        for start, end, checkpointed in chunks:
+            run = self._layers_forward(start, end, attention_mask, packed_seq_params)
+            if checkpointed:
+                # Only the chunk's input hidden state is kept, as in megatron's full recompute
+                # (the mask, None for causal attention, needs no gradient).
+                implementation = checkpoint_implementation(cuda=hidden_states.is_cuda,
+                                                           te_layers=self.te_layers)
+                hidden_states = recompute(run, hidden_states, implementation=implementation,
+                                          tp_group=self.tp_group)
+            else:
+                hidden_states = run(hidden_states)
         if self.post_process and self.post_layer_norm:
             hidden_states = self.final_norm(hidden_states)
         return make_viewless_tensor(
             inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
         )
+
+    def _layers_forward(self, start: int, end: int, attention_mask, packed_seq_params):
+        """The forward of layers [start, end) as a function of the hidden state alone."""
+        def run(hidden_states):
+            for i in range(start, end):
+                layer, context = self.layers[i], self.layer_contexts[i]
+                with context():  # entered on the recompute too: the same recipe
+                    if isinstance(layer, TransformerLayer):
+                        hidden_states, _ = layer(hidden_states=hidden_states,
+                                                 attention_mask=attention_mask,
+                                                 packed_seq_params=packed_seq_params)
+                    else:
+                        hidden_states = layer(hidden_states=hidden_states,
+                                              attention_mask=attention_mask,
+                                              packed_seq_params=packed_seq_params)
+            return hidden_states
+
+        return run

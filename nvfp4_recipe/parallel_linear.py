@@ -1,7 +1,8 @@
 """megatron-core tensor-parallel linears whose GEMMs follow a precision decision.
 
-Column- and row-parallel semantics (sharding, TP all-reduces) are megatron's own: we only
-replace `_forward_impl`, the local GEMM. Every GEMM runs on BF16 operands (as on the GPU, where
+Column- and row-parallel semantics (sharding, TP all-reduces, the sequence-parallel
+reduce-scatter after a row-parallel GEMM) are megatron's own: we only replace `_forward_impl`,
+the local GEMM, and with it the sequence-parallel all-gather megatron folds into it. Every GEMM runs on BF16 operands (as on the GPU, where
 activations are BF16 and TE quantizes from them); the low-precision formats quantize those
 operands with the `nvfp4_recipe` emulation. Master weights and their gradients stay FP32.
 """
@@ -14,7 +15,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from .policy import PrecisionConfig, RuntimePrecisionState
 
@@ -108,9 +112,12 @@ class PrecisionColumnParallelLinear(_PrecisionLinearMixin, ColumnParallelLinear)
     def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False,
                       sequence_parallel=False, **_unused):
         if sequence_parallel:
-            raise NotImplementedError(
-                "sequence parallelism is not supported with the portable spec's linears"
-            )
+            # megatron's fused linear all-gathers the sequence shards before the GEMM and
+            # reduce-scatters the input gradient (mc 0.16.1 tensor_parallel/layers.py:478-483,
+            # 548-560); this mapping is that pair. It keeps the gathered input for the wgrad
+            # where megatron re-gathers it in the backward: the same numbers, more memory.
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                         group=self.tp_group)
         if allreduce_dgrad:
             # megatron folds this all-reduce into its own autograd function; we keep its effect.
             input = copy_to_tensor_model_parallel_region(input, group=self.tp_group)
@@ -124,8 +131,7 @@ class PrecisionRowParallelLinear(_PrecisionLinearMixin, RowParallelLinear):
         self._init_precision(gemm_format, gemm_config, runtime_state)
 
     def _forward_impl(self, input, weight, bias=None, sequence_parallel=False, **_unused):
-        if sequence_parallel:
-            raise NotImplementedError(
-                "sequence parallelism is not supported with the portable spec's linears"
-            )
+        # RowParallelLinear.forward passes sequence_parallel=False and reduce-scatters the
+        # output itself (mc 0.16.1 tensor_parallel/layers.py:1274-1291).
+        assert not sequence_parallel, "megatron's row-parallel linear does its own reduce-scatter"
         return self._precision_gemm(input, weight, bias)

@@ -83,3 +83,39 @@ def test_te_autocast_by_te_release(monkeypatch, release, expected):
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
     assert compat.te_autocast("RECIPE") == (expected, "RECIPE")
+
+
+def test_sequence_parallel_mappings_still_allocate_on_the_cuda_device():
+    """compat item 6: why the sequence-parallel patch exists."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    assert "device=torch.cuda.current_device()" in inspect.getsource(
+        mappings._gather_along_first_dim)
+    assert "device=torch.cuda.current_device()" in inspect.getsource(
+        mappings._reduce_scatter_along_first_dim)
+    assert "get_global_memory_buffer" in inspect.getsource(
+        layers.LinearWithGradAccumulationAndAsyncCommunication.forward)
+
+
+def test_cpu_sequence_parallel_patch_is_scoped_and_only_with_sequence_parallelism():
+    before = torch.cuda.current_device
+    with compat.cpu_sequence_parallel_buffers(False):
+        assert torch.cuda.current_device is before
+    with compat.cpu_sequence_parallel_buffers(True):
+        if not torch.cuda.is_available():
+            assert torch.cuda.current_device() == "cpu"
+            assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.cuda.current_device is before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+def test_cpu_seeding_installs_megatrons_no_op_rng_tracker():
+    """compat item 4: the sequence-parallel embedding forks the tracker around its dropout
+    (language_model_embedding.py:145, mc 0.16.1); on CPU that fork must be a null context."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    compat.seed_model_parallel_rng(3)
+    with get_cuda_rng_tracker().fork():
+        drawn = torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(2))  # the default stream, untouched

@@ -45,12 +45,12 @@ def test_portable_mamba_layer_takes_chunk_size_and_eps(megatron_single_process):
 def test_mamba_pre_norm_called_as_newer_megatron_calls_it():
     """core_v0.17.1+ calls `submodules.norm(config, hidden_size)` directly (mamba_layer.py:91)."""
     from model.build import transformer_config
-    from model.specs import TorchNormWithConfigEps
+    from model.specs import TorchNorm
 
     config = transformer_config(MODEL, initialize=False)
-    norm = TorchNormWithConfigEps(config, 64)
+    norm = TorchNorm(config, 64)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-3
-    assert TorchNormWithConfigEps(config, 64, eps=1e-6).eps == 1e-6  # an explicit eps wins
+    assert TorchNorm(config, 64, eps=1e-6).eps == 1e-6  # an explicit eps wins
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from data.config import DataConfig
 from model.config import ModelConfig
 from model.plan import PlanConfig, pipeline_stages
+from model.recompute import RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers, validate_precision
 
 
@@ -82,6 +83,12 @@ class TrainerConfig:
     # Shard the FP32 master weights and Adam moments over the data-parallel ranks (megatron's
     # distributed optimizer): optimizer memory per rank / data-parallel size.
     distributed_optimizer: bool = False
+    # Activation recompute (megatron's meaning, model/recompute.py): none, selective (core
+    # attention and the portable Mamba scan) or full (whole layers; recompute_method uniform:
+    # chunks of recompute_layers layers, block: the first recompute_layers layers per stage).
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_layers: int = 1
 
 
 @dataclass
@@ -104,6 +111,11 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # The dry run's memory/time assumptions (model/plan.py).
     plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+def recompute_config(tr: TrainerConfig) -> RecomputeConfig:
+    """The model's activation recompute, from trainer.recompute*."""
+    return RecomputeConfig(tr.recompute, tr.recompute_method, tr.recompute_layers)
 
 
 def register_configs() -> None:
@@ -145,11 +157,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(f"logger.mode={cfg.logger.mode!r}: choose online, offline or disabled")
     if tr.on_nan not in ("stop", "skip"):
         raise ValueError(f"trainer.on_nan={tr.on_nan!r}: choose stop or skip")
-    if cfg.parallel.sequence:
-        raise ValueError(
-            "parallel.sequence=true is not supported with the portable spec (megatron's torch "
-            "norms refuse sequence parallelism); use the TE spec on GPUs"
-        )
+    if cfg.parallel.sequence and t == 1:
+        raise ValueError("parallel.sequence=true needs parallel.tensor > 1 (it splits the "
+                         "sequence over the tensor-parallel ranks)")
+    if cfg.parallel.sequence and tr.seq_length % t:
+        raise ValueError(f"trainer.seq_length={tr.seq_length} must be divisible by "
+                         f"parallel.tensor={t} with parallel.sequence=true")
+    recompute_config(tr).validate()
     if cfg.parallel.context != 1:
         raise ValueError(
             f"parallel.context={cfg.parallel.context} is not supported with the hybrid model's "
@@ -177,7 +191,8 @@ def check_ranges(cfg: TrainConfig) -> None:
     data's and precision's own validators check theirs); run before anything is written."""
     tr = cfg.trainer
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every",
-                "eval_every", "eval_batches", "save_every", "max_consecutive_skips"):
+                "eval_every", "eval_batches", "save_every", "max_consecutive_skips",
+                "recompute_layers"):
         value = getattr(tr, key)
         _check(f"trainer.{key}", value, value >= 1, "must be >= 1")
     _check("trainer.warmup_steps", tr.warmup_steps, tr.warmup_steps >= 0, "must be >= 0")

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from model.compat import cpu_sequence_parallel_buffers
+
 from .distributed import ParallelContext
 
 REPORT_KEY = "lm loss"
@@ -70,11 +72,13 @@ def run_micro_batches(model: torch.nn.Module, micro_batches: list[dict], ctx: Pa
     if ctx.device.type == "cuda":
         reports = _megatron_schedule(model, micro_batches, forward_step, activation_shape,
                                      forward_only)
-    elif ctx.pipeline == 1:
-        reports = _accumulate(model, micro_batches, forward_step, config, forward_only)
     else:
-        reports = _gpipe(model, micro_batches, ctx, forward_step, config, activation_shape,
-                         forward_only)
+        with cpu_sequence_parallel_buffers(config.sequence_parallel):
+            if ctx.pipeline == 1:
+                reports = _accumulate(model, micro_batches, forward_step, config, forward_only)
+            else:
+                reports = _gpipe(model, micro_batches, ctx, forward_step, config,
+                                 stage_tensor_shape(activation_shape, config), forward_only)
     if not forward_only and ctx.device.type != "cuda" and config.finalize_model_grads_func:
         config.finalize_model_grads_func([model])  # megatron's schedules end with this
     total = mean_micro_batch_loss(reports, n, ctx.device) if ctx.last_stage else (
@@ -82,6 +86,16 @@ def run_micro_batches(model: torch.nn.Module, micro_batches: list[dict], ctx: Pa
     if ctx.pipeline > 1:  # only the last stage computed the loss
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return total
+
+
+def stage_tensor_shape(activation_shape: tuple[int, ...], config) -> tuple[int, ...]:
+    """What one pipeline stage sends the next: [s, b, h], the sequence split over the tensor
+    group under sequence parallelism (megatron's `get_tensor_shapes`, mc 0.16.1
+    pipeline_parallel/schedules.py:1965-1966; the CUDA path passes the full shape to it)."""
+    seq, *rest = activation_shape
+    if config.sequence_parallel:
+        seq //= config.tensor_model_parallel_size
+    return (seq, *rest)
 
 
 def _calc_loss(model, output, loss_fn, config, n, reports):

@@ -25,7 +25,7 @@ from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
                                      refresh_quantized_weights)
 
 from . import checkpoint as ckpt
-from .config import TrainConfig, validate
+from .config import TrainConfig, recompute_config, validate
 from .distributed import ParallelContext, init_distributed, shutdown, stochastic_rounding_seed
 from .grad_health import GradHealth
 from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line,
@@ -130,7 +130,8 @@ class Trainer:
             pre_process=ctx.first_stage, post_process=ctx.last_stage,
             num_layers_in_first_stage=cfg.parallel.first_stage_layers,
             num_layers_in_last_stage=cfg.parallel.last_stage_layers,
-            params_dtype=PARAMS_DTYPE,
+            params_dtype=PARAMS_DTYPE, recompute=recompute_config(tr),
+            sequence_parallel=cfg.parallel.sequence,
         )
         # What flows between pipeline stages: [sequence, micro-batch, hidden] activations.
         self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
