@@ -241,15 +241,44 @@ def transpose_padded(t2d: torch.Tensor, multiple: int, hadamard: torch.Tensor | 
     return out
 
 
+class WeightOperandCache:
+    """A weight's quantized GEMM operands, kept across the micro-batches of one step.
+
+    TE quantizes a weight on a step's first micro-batch and reuses it for the others
+    (`is_first_microbatch`); this is the emulation's equivalent. The owner clears it whenever the
+    weight may have changed (`clear()`: the start of every step and evaluation); operands are
+    kept per config, so a switch of format never reuses another format's copy.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.config = None
+        self.fprop: GemmOperand | None = None
+        self.dgrad: GemmOperand | None = None
+
+    def for_config(self, config) -> "WeightOperandCache":
+        if config is not self.config:
+            self.clear()
+            self.config = config
+        return self
+
+
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ops: _FormatOps, generator):
+    def forward(ctx, x, weight, bias, ops: _FormatOps, generator,
+                cache: WeightOperandCache | None = None):
         config = ops.config
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         weight_operand = None
         if config.quantize_forward:
-            weight_operand = ops.weight_fprop(weight)
+            weight_operand = cache.fprop if cache is not None else None
+            if weight_operand is None:
+                weight_operand = ops.weight_fprop(weight)
+                if cache is not None:
+                    cache.fprop = weight_operand
             if bias is None:
                 y = emulated_gemm(ops.activation(x2d), weight_operand, x.dtype)
             else:  # bias added in FP32, then one rounding
@@ -259,7 +288,7 @@ class _QuantizedLinear(torch.autograd.Function):
             y = F.linear(x2d, weight, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         reuse_weight = need_dx and config.quantize_backward and weight_operand is not None
-        ctx.ops, ctx.generator = ops, generator
+        ctx.ops, ctx.generator, ctx.cache = ops, generator, cache
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         saved_values = weight_operand.values if reuse_weight else None
         saved_scale = weight_operand.decode_scale if reuse_weight else None
@@ -281,7 +310,13 @@ class _QuantizedLinear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:  # Dgrad first, then Wgrad: a fixed order of SR draws
                 fprop = GemmOperand(saved_values, saved_scale) if saved_values is not None else None
                 dgrad_operand = ops.grad_dgrad(dy2d, ctx.generator)
-                dx = emulated_gemm(dgrad_operand, ops.weight_dgrad(weight, fprop), ctx.x_dtype)
+                cache = ctx.cache
+                weight_operand = cache.dgrad if cache is not None else None
+                if weight_operand is None:
+                    weight_operand = ops.weight_dgrad(weight, fprop)
+                    if cache is not None:
+                        cache.dgrad = weight_operand
+                dx = emulated_gemm(dgrad_operand, weight_operand, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 dw_operands = ops.grad_wgrad(dy2d, ctx.generator), ops.activation_wgrad(x2d)
                 dw = emulated_gemm(*dw_operands, weight.dtype)
@@ -291,7 +326,7 @@ class _QuantizedLinear(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def quantized_linear(
@@ -300,17 +335,20 @@ def quantized_linear(
     bias: torch.Tensor | None = None,
     config: QuantConfig | None = None,
     generator: torch.Generator | None = None,
+    weight_cache: WeightOperandCache | None = None,
 ) -> torch.Tensor:
     """One entry point for all formats: dispatches on the config type (NVFP4Config, MXFP4Config,
     FP8BlockConfig); None, or both quantize_forward and quantize_backward off, is exactly F.linear.
-    `generator` drives stochastic rounding (None: torch's global RNG)."""
+    `generator` drives stochastic rounding (None: torch's global RNG). `weight_cache` reuses the
+    weight's quantized operands (the caller clears it when the weight changes)."""
     if config is None or not (config.quantize_forward or config.quantize_backward):
         if config is not None:
             _ops_for(config)  # still reject unknown config types
         return F.linear(x, weight, bias)
     ops = _ops_for(config)
     ops.check_shapes(x, weight)
-    return _QuantizedLinear.apply(x, weight, bias, ops, generator)
+    cache = weight_cache.for_config(config) if weight_cache is not None else None
+    return _QuantizedLinear.apply(x, weight, bias, ops, generator, cache)
 
 
 def nvfp4_linear(

@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from .linear import WeightOperandCache
 from .policy import PrecisionConfig, RuntimePrecisionState
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -55,6 +56,12 @@ class _PrecisionLinearMixin:
         self.runtime_state = runtime_state or RuntimePrecisionState()
         # Filled when runtime_state.collect_diagnostics is on: {"activation": {...}, ...}.
         self.diagnostics: dict[str, dict[str, float]] = {}
+        # TE's protocol for its quantized-weight cache, which the trainer already drives
+        # (nvfp4_recipe.te_runtime.refresh_quantized_weights sets True at the start of every step
+        # and evaluation): True -> quantize the weight and keep it, False -> reuse it, None (the
+        # default, outside the trainer) -> quantize at every call.
+        self.is_first_microbatch: Optional[bool] = None
+        self.weight_cache = WeightOperandCache()
 
     def _active_gemm_config(self):
         """The config for this call, after the in-run switch to BF16 (None = plain BF16)."""
@@ -82,11 +89,19 @@ class _PrecisionLinearMixin:
 
             if self.runtime_state.collect_diagnostics:
                 self._record_diagnostics(x_c, w_c, config)
-            out = quantized_linear(x_c, w_c, None, config)
+            out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache())
             if self.runtime_state.collect_diagnostics and out.requires_grad:
                 out.register_hook(lambda g: self._record_gradient(g, config))
         out = out.to(out_dtype)
         return out + bias if bias is not None else out
+
+    def _weight_cache(self) -> Optional[WeightOperandCache]:
+        if self.is_first_microbatch is None:
+            return None
+        if self.is_first_microbatch:  # the weights may have changed since the cache was filled
+            self.weight_cache.clear()
+            self.is_first_microbatch = False
+        return self.weight_cache
 
     @torch.no_grad()
     def _record_diagnostics(self, x, w, config):

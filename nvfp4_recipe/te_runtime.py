@@ -94,7 +94,8 @@ def te_linear_context(layer_format: str, linear_format: str, state: RuntimePreci
 
 
 def modules_with_weight_cache(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every module whose quantized-weight cache is keyed by `is_first_microbatch` (TE's)."""
+    """Every module whose quantized-weight cache is keyed by `is_first_microbatch`: TE's linears
+    and the emulated ones (nvfp4_recipe/parallel_linear.py), which follow the same protocol."""
     return [m for m in model.modules() if hasattr(m, "is_first_microbatch")]
 
 

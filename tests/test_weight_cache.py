@@ -1,0 +1,131 @@
+"""Each weight quantized once per step (issue 16, item 2), as TE does with `is_first_microbatch`.
+
+The emulated linears follow TE's protocol, which the trainer already drives: it sets
+`is_first_microbatch = True` on every such module at the start of a step and of an evaluation.
+The first micro-batch then quantizes the weight (its Fprop operand, and its Dgrad operand in the
+backward) and the others reuse the copies; a step never sees the previous step's weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvfp4_recipe import NVFP4Config, quantized_linear
+from nvfp4_recipe.linear import WeightOperandCache, _NVFP4Ops
+from nvfp4_recipe.te_runtime import modules_with_weight_cache, refresh_quantized_weights
+
+
+def _count_weight_quantizations(monkeypatch):
+    calls = {"fprop": 0, "dgrad": 0}
+    fprop, dgrad = _NVFP4Ops.weight_fprop, _NVFP4Ops.weight_dgrad
+
+    def counted_fprop(self, weight):
+        calls["fprop"] += 1
+        return fprop(self, weight)
+
+    def counted_dgrad(self, weight, operand):
+        calls["dgrad"] += 1
+        return dgrad(self, weight, operand)
+
+    monkeypatch.setattr(_NVFP4Ops, "weight_fprop", counted_fprop)
+    monkeypatch.setattr(_NVFP4Ops, "weight_dgrad", counted_dgrad)
+    return calls
+
+
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_cached_operands_give_bit_identical_outputs_and_gradients(monkeypatch, weight_2d):
+    calls = _count_weight_quantizations(monkeypatch)
+    config = NVFP4Config(weight_2d=weight_2d)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=gen).bfloat16().requires_grad_()
+    xs = [torch.randn(32, 128, generator=gen).bfloat16().requires_grad_() for _ in range(3)]
+
+    def run(cache):
+        outs, grads = [], []
+        torch.manual_seed(11)  # the stochastic-rounding draws of the gradients
+        for t in (weight, *xs):
+            t.grad = None
+        for x in xs:
+            y = quantized_linear(x, weight, None, config, weight_cache=cache)
+            y.float().square().sum().backward()
+            outs.append(y.detach())
+            grads.append(x.grad.clone())
+        return outs, grads, weight.grad.clone()
+
+    uncached = run(None)
+    assert calls == {"fprop": 3, "dgrad": 3}
+    calls.update(fprop=0, dgrad=0)
+    cached = run(WeightOperandCache())
+    # One quantization per weight for the three micro-batches. With 16x16 tiles, weight_dgrad
+    # transposes Fprop's copy (no new quantization) and is skipped too once cached.
+    assert calls == {"fprop": 1, "dgrad": 1}
+    for a, b in zip(uncached[0] + uncached[1], cached[0] + cached[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(uncached[2], cached[2])
+
+
+def test_cache_is_per_config():
+    cache = WeightOperandCache()
+    weight = torch.randn(32, 64).bfloat16()
+    x = torch.randn(16, 64).bfloat16()
+    nvfp4, other = NVFP4Config(), NVFP4Config(weight_2d=False)
+    quantized_linear(x, weight, None, nvfp4, weight_cache=cache)
+    first = cache.fprop
+    quantized_linear(x, weight, None, other, weight_cache=cache)
+    assert cache.config is other and cache.fprop is not first  # never another format's copy
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from training.distributed import init_distributed, shutdown
+
+    context = init_distributed(1, 1, "gloo")
+    yield context
+    shutdown()
+
+
+@pytest.mark.slow  # two models, four steps: ~30 s on 2 idle cores
+def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(ctx, monkeypatch):
+    """Two steps of two micro-batches through the trainer's pieces: one quantization per weight
+    per step, the same losses and gradients as quantizing at every call."""
+    from model.build import build_model
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import PrecisionConfig
+    from training.config import TrainerConfig
+    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+    from training.pipeline import run_micro_batches
+
+    calls = _count_weight_quantizations(monkeypatch)
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
+    batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 64)}
+               for t in tokens.split(2)]
+
+    def train(cached: bool):
+        torch.manual_seed(0)
+        core = build_model(ModelConfig(vocab_size=256), PrecisionConfig(name="nvfp4",
+                           format="nvfp4"), vocab_size=256, backend="emulated",
+                           params_dtype=PARAMS_DTYPE).module
+        model, optimizer = build_data_parallel_model(core, TrainerConfig(lr=1e-2), ctx)
+        modules = modules_with_weight_cache(core)
+        assert len(modules) == 18  # every layer's two linears (BF16 ones quantize nothing)
+        losses, counts = [], []
+        torch.manual_seed(5)
+        for _ in range(2):
+            if cached:
+                refresh_quantized_weights(modules)  # what Trainer.train_step does first
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            calls.update(fprop=0, dgrad=0)
+            losses.append(run_micro_batches(model, batches, ctx, (64, 2, 256)).item())
+            counts.append(dict(calls))
+            optimizer.step()
+        params = torch.cat([p.detach().float().flatten() for p in core.parameters()])
+        return losses, counts, params
+
+    plain_losses, plain_counts, plain_params = train(cached=False)
+    losses, counts, params = train(cached=True)
+    nvfp4_linears = 12  # 9 layers, the first 1 and last 2 in BF16: 6 NVFP4 layers x 2 linears
+    assert plain_counts[0]["fprop"] == 2 * nvfp4_linears  # two micro-batches each
+    assert counts == [{"fprop": nvfp4_linears, "dgrad": nvfp4_linears}] * 2
+    assert losses == plain_losses and torch.equal(params, plain_params)
