@@ -6,7 +6,8 @@ Knows nothing of precision or the model. Entry points::
     bundle = build_data(cfg, seq_length=..., micro_batch_size=..., global_batch_size=...,
                         total_tokens=..., seed=..., dp_rank=..., dp_size=..., show_progress=...)
 
-``python -m data.prepare`` tokenizes JSONL/text into megatron-core indexed datasets;
+``python -m data.prepare`` tokenizes JSONL/text/Parquet/Arrow into megatron-core indexed datasets
+(whole, or one ``--shard I/N`` of a Slurm array);
 ``python -m data.bench`` measures the loader. ``import data`` stays light: torch and
 megatron-core load on first use of ``build_data``.
 """

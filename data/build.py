@@ -16,7 +16,7 @@ from data.config import (
     DataConfig,
     DataConfigError,
     check_files_exist,
-    resolve_prefix,
+    expand_prefix,
     to_data_config,
     uses_demo,
     validate_config,
@@ -24,7 +24,7 @@ from data.config import (
 from data.indexed import mcore, open_indexed, quiet_megatron_logs, read_sidecar
 from data.interleave import to_fraction
 from data.schedule import PhaseSchedule, Source
-from data.tokenizer import MegatronTokenizerAdapter, load_tokenizer, tokenizer_sha256
+from data.tokenizer import MegatronTokenizerAdapter, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,13 @@ def build_data(
     check_files_exist(cfg, demo_dir)
 
     tok_path = cfg.tokenizer if cfg.tokenizer is not None else os.path.join(demo_dir, "tokenizer.json")
-    tokenizer = load_tokenizer(tok_path)
-    adapter = MegatronTokenizerAdapter(tokenizer)
-    tok_sha = tokenizer_sha256(tokenizer)
+    try:
+        spec = load_tokenizer_spec(tok_path)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise DataConfigError(f"data.tokenizer = {tok_path!r}: cannot load it: {err}") from err
+    tokenizer = spec.tokenizer
+    adapter = MegatronTokenizerAdapter(tokenizer, eod=spec.eod, sha256=spec.sha256)
+    tok_sha = spec.sha256
 
     total = cfg.total_tokens if cfg.total_tokens is not None else int(total_tokens)
     if total <= 0:
@@ -137,16 +141,23 @@ def build_data(
     # sources: categories in config order, prefixes in order
     sources, indexed = [], []
     for cat, cc in cfg.categories.items():
-        paths = [resolve_prefix(p, demo_dir) for p in cc.prefixes]
+        # a glob entry stands for its matches (shards), in natural order
+        groups = [expand_prefix(f"data.categories.{cat}.prefixes[{j}]", p, demo_dir) for j, p in enumerate(cc.prefixes)]
+        entry = [j for j, g in enumerate(groups) for _ in g]
+        paths = [p for g in groups for p in g]
+        if not paths:
+            raise DataConfigError(f"data.categories.{cat}: every prefix is an empty shard (no documents)")
         ds = [open_indexed(p) for p in paths]
         ntok = [int(d.sequence_lengths.sum()) for d in ds]
         if cc.weights is None:
             ws = [Fraction(n) for n in ntok] if all(ntok) else [Fraction(1)] * len(ds)
-        else:
-            ws = [to_fraction(w) for w in cc.weights]
+        else:  # an entry's weight, shared among its matches by token count
+            group_tokens = [sum(n for n, e in zip(ntok, entry) if e == j) for j in range(len(groups))]
+            ws = [to_fraction(cc.weights[e]) * (Fraction(n, group_tokens[e]) if group_tokens[e] else 1)
+                  for n, e in zip(ntok, entry)]
         wsum = sum(ws)
         for j, (p, d, n) in enumerate(zip(paths, ds, ntok)):
-            _check_tokenizer_match(p, tok_sha, f"data.categories.{cat}.prefixes[{j}]")
+            _check_tokenizer_match(p, tok_sha, f"data.categories.{cat}.prefixes[{entry[j]}]")
             src = Source(
                 key=f"{cat}/{j}", category=cat, prefix=p, weight_in_category=ws[j] / wsum,
                 num_documents=len(d.document_indices) - 1, num_tokens=n,
@@ -178,8 +189,9 @@ def build_data(
     val_prefixes = []
     for g, ps in cfg.validation.items():
         for j, p in enumerate(ps):
-            val_prefixes.append(resolve_prefix(p, demo_dir))
-            _check_tokenizer_match(val_prefixes[-1], tok_sha, f"data.validation.{g}[{j}]")
+            for path in expand_prefix(f"data.validation.{g}[{j}]", p, demo_dir):
+                val_prefixes.append(path)
+                _check_tokenizer_match(path, tok_sha, f"data.validation.{g}[{j}]")
     if val_prefixes:
         val = _build_validation(val_prefixes, adapter, seq_length, seed)
 

@@ -7,6 +7,10 @@ the schema of the ``data`` node. Dict and list fields default to empty on purpos
 Prefix syntax: a prefix is the path of a megatron-core indexed dataset without ``.bin``/``.idx``.
 ``demo:<name>`` names a dataset of the embedded demo corpus (``prose``, ``code``, ``math`` and the
 held-out ``prose_val``, ``code_val``, ``math_val``); it is built on first use under ``cache_dir``.
+A prefix with glob characters (``/data/web/web_shard*``, the shards of ``data.prepare --shard``)
+stands for every dataset it matches, in natural order (``shard2`` before ``shard10``); at start-up
+every match must have its ``.bin``, ``.idx`` and sidecar ``.json``, and no shard of a split may be
+missing. Matches that hold no document (an empty shard) are left out.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ class MissingDataError(DataConfigError):
 
 @dataclass
 class CategoryConfig:
-    """One data category (e.g. ``code``): one or more indexed-dataset prefixes.
+    """One data category (e.g. ``code``): one or more indexed-dataset prefixes (or globs).
 
     ``weights``: relative weights of the prefixes inside the category; ``None`` = in proportion to
-    their token counts (megatron-core's convention for an unweighted blend).
+    their token counts (megatron-core's convention for an unweighted blend). A glob's weight is
+    shared among its matches in proportion to their token counts.
     """
 
     prefixes: List[str] = field(default_factory=list)
@@ -67,7 +72,8 @@ class DataConfig:
     name: str = "custom"
     # Demo corpus and megatron-core index caches live here (relative paths: to the working dir).
     cache_dir: str = "${oc.env:NVFP4_CACHE,.cache}/data"
-    # Path of a HF tokenizers ``tokenizer.json``; None = the demo corpus tokenizer.
+    # A HF tokenizers ``tokenizer.json``, or a Hugging Face tokenizer directory (tokenizer.json +
+    # tokenizer_config.json: its eos/bos tokens); None = the demo corpus tokenizer.
     tokenizer: Optional[str] = None
     categories: Dict[str, CategoryConfig] = field(default_factory=dict)
     # Held-out sets: group name -> prefixes. Blended in proportion to their sizes.
@@ -227,6 +233,38 @@ def resolve_prefix(prefix: str, demo_dir: Optional[str]) -> str:
     return os.path.expanduser(prefix)
 
 
+def expand_prefix(key: str, prefix: str, demo_dir: Optional[str] = None) -> List[str]:
+    """The dataset paths ``prefix`` stands for: itself (resolved), or a glob's matches in natural
+    order. A glob is validated here (MissingDataError naming the key and the bad match): it matches
+    something, every match is complete (.bin, .idx and sidecar), and no shard of a split that a
+    match belongs to is missing. Matches without documents (empty shards) are dropped."""
+    from data.shards import dataset_problem, glob_prefixes, is_glob, missing_shards, read_json
+
+    if prefix.startswith(DEMO_PREFIX) or not is_glob(prefix):
+        return [resolve_prefix(prefix, demo_dir)]
+    matches = glob_prefixes(prefix)
+    if not matches:
+        raise MissingDataError(
+            f"{key} = {prefix!r}: the glob matches no dataset (no {prefix}.bin/.idx/.json). Prepare "
+            f"shards with `python -m data.prepare INPUT... --tokenizer TOKENIZER --output PREFIX --shard I/N`"
+        )
+    for m in matches:
+        problem = dataset_problem(m)
+        if problem is not None:
+            raise MissingDataError(
+                f"{key} = {prefix!r}: match {m} is {problem}; re-run the data.prepare that writes it "
+                f"(an unfinished shard: run its --shard I/N again)"
+                if problem.startswith("incomplete") else f"{key} = {prefix!r}: match {m}: {problem}"
+            )
+    missing = missing_shards(matches)
+    if missing:
+        raise MissingDataError(
+            f"{key} = {prefix!r}: shard {missing[0]} of the same split is missing ({len(missing)} missing): "
+            f"run its data.prepare --shard again, or list the shards you want without a glob"
+        )
+    return [m for m in matches if int((read_json(m + ".json") or {}).get("documents", 1)) > 0]
+
+
 def check_files_exist(cfg: DataConfig, demo_dir: Optional[str] = None) -> None:
     """Raise MissingDataError naming the first missing dataset file or tokenizer."""
     _check_tokenizer_exists(cfg)
@@ -235,7 +273,10 @@ def check_files_exist(cfg: DataConfig, demo_dir: Optional[str] = None) -> None:
     for key, p in entries:
         if p.startswith(DEMO_PREFIX) and demo_dir is None:
             continue
-        path = resolve_prefix(p, demo_dir)
+        paths = expand_prefix(key, p, demo_dir)
+        if not paths:
+            raise MissingDataError(f"{key} = {p!r}: every match is an empty shard (no documents)")
+        path = paths[0]
         missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
         if missing:
             raise MissingDataError(
@@ -246,7 +287,17 @@ def check_files_exist(cfg: DataConfig, demo_dir: Optional[str] = None) -> None:
 
 
 def _check_tokenizer_exists(cfg: DataConfig) -> None:
-    if cfg.tokenizer is not None and not os.path.isfile(os.path.expanduser(cfg.tokenizer)):
+    if cfg.tokenizer is None:
+        return
+    path = os.path.expanduser(cfg.tokenizer)
+    if os.path.isdir(path):  # a Hugging Face tokenizer directory
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise MissingDataError(
+                    f"data.tokenizer = {cfg.tokenizer!r}: a directory without {name}; a Hugging Face "
+                    f"tokenizer directory needs tokenizer.json and tokenizer_config.json")
+        return
+    if not os.path.isfile(path):
         raise MissingDataError(
             f"data.tokenizer = {cfg.tokenizer!r}: file not found. Train one with "
             f"`python -m data.prepare INPUT... --output PREFIX --train-tokenizer 32768` "

@@ -224,3 +224,175 @@ def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_to
     assert "no documents in the input: all 3 records were dropped, 3 as invalid (3 invalid UTF-8)" in err
     assert "latin1.txt:1: invalid UTF-8 at byte 3" in err
     assert not dataset_exists(str(tmp_path / "ds")) and _no_tmp(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parquet, Arrow (datasets.save_to_disk) and Hugging Face tokenizer directories
+
+
+def _write_parquet(path, values, row_group_size=None, column="text", **extra):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: pa.array(values, pa.string()), **extra}), path,
+                   row_group_size=row_group_size)
+
+
+def _write_arrow_stream(path, values, batch_rows=7):
+    """As datasets.Dataset.save_to_disk writes its data-*.arrow files: the IPC stream format."""
+    import pyarrow as pa
+
+    table = pa.table({"text": pa.array(values, pa.string()), "id": list(range(len(values)))})
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        for b in table.to_batches(max_chunksize=batch_rows):
+            w.write_batch(b)
+
+
+def _save_to_disk_dir(d, parts):
+    """A directory shaped like datasets' save_to_disk: state.json listing data-*.arrow in order."""
+    d.mkdir(parents=True)
+    names = [f"data-{i:05d}-of-{len(parts):05d}.arrow" for i in range(len(parts))]
+    for name, values in zip(names, parts):
+        _write_arrow_stream(d / name, values)
+    (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names],
+                                              "_fingerprint": "x", "_split": "train"}))
+    (d / "dataset_info.json").write_text("{}")
+
+
+def _ids(prefix):
+    ds = open_indexed(str(prefix))
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+def test_parquet_and_saved_datasets_give_the_jsonl_tokens(tmp_path, tiny_tokenizer):
+    texts = [f"{TEXTS[i % len(TEXTS)]} #{i}" for i in range(60)]
+    _jsonl(tmp_path / "in.jsonl", texts)
+    _write_parquet(tmp_path / "in.parquet", texts, row_group_size=16)
+    _save_to_disk_dir(tmp_path / "saved", [texts[:25], texts[25:]])
+    run = ["--tokenizer", tiny_tokenizer, "--no-progress", "--batch-bytes", "300"]
+    assert prep.main([str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "j"), *run]) == 0
+    assert prep.main([str(tmp_path / "in.parquet"), "--output", str(tmp_path / "p"), *run]) == 0
+    assert prep.main([str(tmp_path / "saved"), "--output", str(tmp_path / "a"), *run]) == 0
+    for other in ("p", "a"):
+        for ext in (".bin", ".idx"):
+            assert (tmp_path / f"j{ext}").read_bytes() == (tmp_path / f"{other}{ext}").read_bytes(), other
+    meta = json.loads((tmp_path / "a.json").read_text())
+    assert meta["inputs"] == [
+        str(tmp_path / "saved" / f"data-0000{i}-of-00002.arrow") for i in range(2)]
+
+
+def test_parquet_bad_values_are_counted_with_file_and_row(tmp_path, tiny_tokenizer, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # row 1 null, row 3 not UTF-8 (pyarrow writes a string column it never validated)
+    raw = pa.array([b"good one", None, b"good two", b"caf\xe9", b"   "], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"body": raw}), tmp_path / "x.parquet")
+    out = tmp_path / "ds"
+    args = [str(tmp_path / "x.parquet"), "--text-column", "body", "--tokenizer", tiny_tokenizer, "--output",
+            str(out), "--no-progress"]
+    assert prep.main(args) == 0
+    meta = json.loads((tmp_path / "ds.json").read_text())
+    assert meta["documents"] == 2 and meta["empty_documents"] == 1
+    assert meta["bad_records"] == {"field 'body' is null": 1, "invalid UTF-8": 1}
+    assert meta["bad_examples"] == [f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null",
+                                    f"{tmp_path / 'x.parquet'}:row 3: invalid UTF-8 at byte 3"]
+    assert prep.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == 1
+    assert f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null (--strict)" in capsys.readouterr().err
+    assert not dataset_exists(str(tmp_path / "strict")) and _no_tmp(tmp_path)
+
+
+@pytest.mark.parametrize("column,message", [
+    ("content", "has no column 'content' (columns: text, n): choose one with --text-column"),
+    ("n", "column 'n' is int64, not a string column"),
+])
+def test_a_missing_or_non_string_text_column_is_refused_before_writing(tmp_path, tiny_tokenizer, capsys,
+                                                                       column, message):
+    _write_parquet(tmp_path / "x.parquet", ["a", "b"], n=[1, 2])
+    rc = prep.main([str(tmp_path / "x.parquet"), "--text-column", column, "--tokenizer", tiny_tokenizer,
+                    "--output", str(tmp_path / "o" / "ds"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: {tmp_path / 'x.parquet'}" in err and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_saved_dataset_dict_names_its_splits(tmp_path, tiny_tokenizer, capsys):
+    _save_to_disk_dir(tmp_path / "dd" / "train", [["a"]])
+    _save_to_disk_dir(tmp_path / "dd" / "test", [["b"]])
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    rc = prep.main([str(tmp_path / "dd"), "--tokenizer", tiny_tokenizer, "--output", str(tmp_path / "ds")])
+    assert rc == 2
+    assert "is a saved DatasetDict with splits ['test', 'train']: give one split's directory" in capsys.readouterr().err
+
+
+def test_parquet_streams_in_bounded_memory(tmp_path):
+    """40 MB of text in 1 MB row groups: the reader holds about one row group, not the file."""
+    import pyarrow as pa
+
+    doc = "lorem ipsum dolor sit amet " * 40  # ~1 KB
+    _write_parquet(tmp_path / "big.parquet", [f"{i} {doc}" for i in range(40_000)], row_group_size=1000)
+    files, kinds = [str(tmp_path / "big.parquet")], ["parquet"]
+    pieces = prep.plan_pieces(files, kinds, "file", None)
+    assert len(pieces[0].units) == 40
+    peak, values = 0, 0
+    for _, _, arr in prep.iter_records(files, kinds, pieces, "file", "text", batch_bytes=1 << 20):
+        values += len(arr)
+        peak = max(peak, pa.total_allocated_bytes())
+    assert values == 40_000
+    assert peak < 12 << 20, f"{peak / 2**20:.1f} MiB allocated while streaming a 40 MB column"
+
+
+def _hf_tokenizer_dir(d, config, post_bos=False):
+    """A Hugging Face tokenizer directory: tokenizer.json (BPE with <s>, </s>) + tokenizer_config.json."""
+    from tokenizers import processors
+
+    from data.tokenizer import train_bpe_tokenizer
+
+    d.mkdir(parents=True, exist_ok=True)
+    tok = train_bpe_tokenizer(["alpha beta gamma delta"] * 20, 300)
+    tok.add_special_tokens(["<s>", "</s>"])
+    if post_bos:  # a post-processor that already puts BOS in front (as Llama's tokenizer.json does)
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+@pytest.mark.parametrize("post_bos", [False, True])
+def test_hf_tokenizer_directory_frames_documents_with_its_bos_and_eos(tmp_path, post_bos):
+    config = {"eos_token": {"content": "</s>", "special": True}, "bos_token": "<s>", "add_bos_token": True,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    tok = _hf_tokenizer_dir(tmp_path / "tok", config, post_bos)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    _jsonl(tmp_path / "in.jsonl", ["alpha beta", "gamma"])
+    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output",
+                      str(tmp_path / "ds"), "--no-progress"]) == 0
+    plain = [tok.encode(t, add_special_tokens=False).ids for t in ("alpha beta", "gamma")]
+    assert _ids(tmp_path / "ds") == [[bos, *ids, eos] for ids in plain]  # one BOS, even when the post-processor adds it
+    meta = json.loads((tmp_path / "ds.json").read_text())
+    assert (meta["eod_id"], meta["eod_token"], meta["bos_id"]) == (eos, "</s>", bos)
+
+
+def test_hf_tokenizer_directory_without_eos_is_refused(tmp_path, tiny_tokenizer, capsys):
+    _hf_tokenizer_dir(tmp_path / "tok", {"bos_token": "<s>"})
+    _jsonl(tmp_path / "in.jsonl", ["alpha"])
+    rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output", str(tmp_path / "ds")])
+    assert rc == 2
+    assert "tokenizer_config.json has no eos_token: it is needed to end every document" in capsys.readouterr().err
+    assert not dataset_exists(str(tmp_path / "ds"))
+
+
+def test_training_data_reads_an_hf_tokenizer_directory(tmp_path):
+    """data.tokenizer may be the same directory: the run's end-of-document id is its eos_token."""
+    try:
+        from tests.data_fixtures import synthetic_config
+    except ImportError:
+        from data_fixtures import synthetic_config
+    from data import build_data
+
+    tok = _hf_tokenizer_dir(tmp_path / "tok", {"eos_token": "</s>"})
+    cfg = synthetic_config(str(tmp_path / "d"), str(tmp_path / "tok"))
+    bundle = build_data(cfg, seq_length=16, micro_batch_size=2, global_batch_size=4, total_tokens=4096,
+                        seed=1, show_progress=False)
+    assert bundle.eod_id == tok.token_to_id("</s>") and bundle.vocab_size == tok.get_vocab_size()
