@@ -10,6 +10,8 @@ from typing import Iterator
 
 import torch
 
+from nvfp4_recipe.parts import part
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 FP32_MAX = torch.finfo(torch.float32).max
@@ -100,7 +102,8 @@ def draw_uniform_bits_(out: torch.Tensor, generator: torch.Generator | None) -> 
     ~30 % less cost: the draw loop is serial, and these draws are a quarter of an emulated step.
     (On CUDA both come from Philox, and the two streams differ.)
     """
-    return out.random_(generator=generator).bitwise_and_(UNIFORM_BITS_MASK)
+    with part("emulation/sr_draws"):  # linear.SR_DRAWS
+        return out.random_(generator=generator).bitwise_and_(UNIFORM_BITS_MASK)
 
 
 def round_e2m1_stochastic_(

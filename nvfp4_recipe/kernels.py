@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from nvfp4_recipe.parts import part
+
 from nvfp4_recipe.formats import (
     _EXPONENT_MASK,
     _MAGIC_OFFSET,
@@ -186,7 +188,9 @@ def _flat_blocks(x2d: torch.Tensor, block: int, *per_block: torch.Tensor) -> tup
 def _random_bits(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One 32-bit draw per element, row-major: the sequence the eager kernel draws chunk by chunk
     (it masks them to 24 bits itself; the kernels here mask inside)."""
-    return torch.empty(like.shape, dtype=torch.int32, device=like.device).random_(generator=generator)
+    with part("emulation/sr_draws"):  # linear.SR_DRAWS
+        return torch.empty(like.shape, dtype=torch.int32, device=like.device).random_(
+            generator=generator)
 
 
 def encode_values(

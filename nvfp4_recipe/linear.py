@@ -27,6 +27,14 @@ from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values
 from nvfp4_recipe.hadamard import rht_matrix
 from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values
 from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values
+from nvfp4_recipe.parts import part
+
+
+# Labels of the emulated GEMM's parts (nvfp4_recipe/parts.py: the innermost label owns the time).
+QUANTIZE = "emulation/quantize"
+GEMM = "emulation/gemm"
+WGRAD_TRANSPOSE = "emulation/wgrad_transpose_rht"
+SR_DRAWS = "emulation/sr_draws"
 
 
 class GemmOperand(NamedTuple):
@@ -216,6 +224,11 @@ def transpose_padded(t2d: torch.Tensor, multiple: int, hadamard: torch.Tensor | 
     block is in cache: the result equals random_hadamard_transform(transpose_padded(t2d, multiple))
     bit for bit (the same FP32 GEMM per 16-run; tests/test_nvfp4_linear.py checks it).
     """
+    with part(WGRAD_TRANSPOSE):
+        return _transpose_padded(t2d, multiple, hadamard)
+
+
+def _transpose_padded(t2d, multiple, hadamard):
     tokens, cols = t2d.shape
     padded = -(-tokens // multiple) * multiple
     out = torch.empty(cols, padded, dtype=torch.float32, device=t2d.device)
@@ -275,15 +288,19 @@ class _QuantizedLinear(torch.autograd.Function):
         weight_operand = None
         if config.quantize_forward:
             weight_operand = cache.fprop if cache is not None else None
-            if weight_operand is None:
-                weight_operand = ops.weight_fprop(weight)
-                if cache is not None:
-                    cache.fprop = weight_operand
-            if bias is None:
-                y = emulated_gemm(ops.activation(x2d), weight_operand, x.dtype)
-            else:  # bias added in FP32, then one rounding
-                y = emulated_gemm(ops.activation(x2d), weight_operand, torch.float32)
-                y = y.add_(bias.float()).to(x.dtype)
+            # The labels time each part in launch/profile_step.py (nvfp4_recipe/parts.py).
+            with part(QUANTIZE):
+                if weight_operand is None:
+                    weight_operand = ops.weight_fprop(weight)
+                    if cache is not None:
+                        cache.fprop = weight_operand
+                activation = ops.activation(x2d)
+            with part(GEMM):
+                if bias is None:
+                    y = emulated_gemm(activation, weight_operand, x.dtype)
+                else:  # bias added in FP32, then one rounding
+                    y = emulated_gemm(activation, weight_operand, torch.float32)
+                    y = y.add_(bias.float()).to(x.dtype)
         else:
             y = F.linear(x2d, weight, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -309,17 +326,21 @@ class _QuantizedLinear(torch.autograd.Function):
         else:
             if ctx.needs_input_grad[0]:  # Dgrad first, then Wgrad: a fixed order of SR draws
                 fprop = GemmOperand(saved_values, saved_scale) if saved_values is not None else None
-                dgrad_operand = ops.grad_dgrad(dy2d, ctx.generator)
                 cache = ctx.cache
                 weight_operand = cache.dgrad if cache is not None else None
-                if weight_operand is None:
-                    weight_operand = ops.weight_dgrad(weight, fprop)
-                    if cache is not None:
-                        cache.dgrad = weight_operand
-                dx = emulated_gemm(dgrad_operand, weight_operand, ctx.x_dtype)
+                with part(QUANTIZE):
+                    dgrad_operand = ops.grad_dgrad(dy2d, ctx.generator)
+                    if weight_operand is None:
+                        weight_operand = ops.weight_dgrad(weight, fprop)
+                        if cache is not None:
+                            cache.dgrad = weight_operand
+                with part(GEMM):
+                    dx = emulated_gemm(dgrad_operand, weight_operand, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dw_operands = ops.grad_wgrad(dy2d, ctx.generator), ops.activation_wgrad(x2d)
-                dw = emulated_gemm(*dw_operands, weight.dtype)
+                with part(QUANTIZE):
+                    dw_operands = ops.grad_wgrad(dy2d, ctx.generator), ops.activation_wgrad(x2d)
+                with part(GEMM):
+                    dw = emulated_gemm(*dw_operands, weight.dtype)
         if dx is not None:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         if dw is not None:

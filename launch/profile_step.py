@@ -1,0 +1,185 @@
+"""Where one training step's time goes, BF16 against emulated NVFP4 (issue 16, item 1).
+
+    python -m launch.profile_step [--steps 3] [--repeats 3] [--out docs/benchmarks/step-profile.md]
+
+Builds the demo model as the trainer does (BF16 weights, FP32 main grads and master weights,
+the CPU twins of megatron's DDP and optimizer, megatron's loss contract) on random tokens of the
+demo shape (2 micro-batches of 4 x 256), and runs the trainer's step: refresh the quantized-weight
+caches, forward and backward of each micro-batch, gradient sync and clipping, optimizer step.
+
+Two measurements, every case interleaved with the others round by round (medians of `repeats`
+rounds of `steps` steps), so load changes hit all cases alike:
+- variants: BF16; NVFP4 as configured; and NVFP4 with one component off at a time (stochastic
+  rounding, RHT, 16x16 weight tiles): each difference is what that component costs;
+- parts: wall time inside each labelled region (nvfp4_recipe/parts.py; the innermost label owns
+  the time): the emulated linears' quantizers, their SR draws, the Wgrad transposes with the RHT,
+  the emulated GEMMs (forward and backward: they are autograd Functions), the Mamba scan
+  (forward only), gradient sync + clipping, the optimizer. "Rest of the step" is everything
+  unlabelled: BF16 GEMMs, attention, conv1d, norms, the scan's and attention's backward, autograd.
+torch.profiler is not used: its ~10 us per op made an NVFP4 step 7.7x slower, which distorts
+exactly the many-small-op parts this is meant to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from nvfp4_recipe.parts import PartTimer, part
+
+VARIANTS = {  # name -> (format, PrecisionConfig field overrides)
+    "bf16": ("bf16", {}),
+    "nvfp4": ("nvfp4", {}),
+    "nvfp4-no-sr": ("nvfp4", {"stochastic_rounding": False}),
+    "nvfp4-no-rht": ("nvfp4", {"rht": False}),
+    "nvfp4-1x16-weights": ("nvfp4", {"weight_2d": False}),
+}
+
+
+def demo_model_config():
+    """recipes/model/demo.yaml as the trainer reads it, with the demo tokenizer's vocabulary."""
+    from omegaconf import OmegaConf
+
+    from model.config import ModelConfig
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "recipes" / "model"
+                                                / "demo.yaml"))
+    raw.pop("defaults", None)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    cfg.vocab_size = cfg.vocab_size or 4096
+    return cfg
+
+
+def _demo_setup(variant: str, ctx):
+    from model.build import build_model
+    from nvfp4_recipe.policy import PrecisionConfig
+    from training.config import TrainerConfig
+    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+
+    torch.manual_seed(0)
+    cfg = demo_model_config()
+    fmt, overrides = VARIANTS[variant]
+    precision = dataclasses.replace(PrecisionConfig(name=fmt, format=fmt), **overrides)
+    core = build_model(cfg, precision, vocab_size=cfg.vocab_size, backend="emulated",
+                       params_dtype=PARAMS_DTYPE).module
+    model, optimizer = build_data_parallel_model(core, TrainerConfig(), ctx)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
+    batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(4, 256)}
+               for t in tokens.split(4)]
+    return core, model, optimizer, batches, cfg.hidden_size
+
+
+def _step(core, model, optimizer, batches, hidden, ctx) -> None:
+    from nvfp4_recipe.te_runtime import modules_with_weight_cache, refresh_quantized_weights
+    from training.pipeline import run_micro_batches
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    refresh_quantized_weights(modules_with_weight_cache(core))
+    run_micro_batches(model, batches, ctx, (256, 4, hidden))
+    with part("step/grad_clip"):
+        optimizer.prepare_grads()
+        optimizer.clip_grad_norm(1.0)
+    with part("step/optimizer"):
+        optimizer.step_with_ready_grads()
+
+
+def profile(variants: list[str], steps: int, repeats: int) -> dict:
+    from training.distributed import init_distributed, shutdown
+
+    ctx = init_distributed(1, 1, "gloo")
+    try:
+        setups = {v: _demo_setup(v, ctx) for v in variants}
+        for v in variants:  # warm-up: compiled kernels, allocator
+            for _ in range(2):
+                _step(*setups[v], ctx)
+        load_start = Path("/proc/loadavg").read_text().split()[:3]
+        times = defaultdict(list)
+        parts = {v: defaultdict(list) for v in variants}
+        for _ in range(repeats):
+            for v in variants:  # interleaved: a load change hits every variant alike
+                for _ in range(steps):
+                    with PartTimer() as timer:
+                        start = time.perf_counter()
+                        _step(*setups[v], ctx)
+                        wall = time.perf_counter() - start
+                    times[v].append(wall)
+                    for name, seconds in timer.seconds.items():
+                        parts[v][name].append(seconds)
+                    parts[v]["rest of the step"].append(wall - sum(timer.seconds.values()))
+        load_end = Path("/proc/loadavg").read_text().split()[:3]
+    finally:
+        shutdown()
+    return {"median_step_s": {v: statistics.median(t) for v, t in times.items()},
+            "parts_s": {v: {name: statistics.median(x) for name, x in p.items()}
+                        for v, p in parts.items()},
+            "load_start": load_start, "load_end": load_end, "steps": steps, "repeats": repeats,
+            "threads": torch.get_num_threads()}
+
+
+def report(result: dict) -> str:
+    from nvfp4_recipe.benchmarking import hardware_info
+
+    variants = list(result["median_step_s"])
+    steps = result["median_step_s"]
+    base = steps[variants[0]]
+    info = hardware_info()
+    lines = [
+        "# One demo training step, part by part",
+        "",
+        f"Machine: {info['cpu']}, {info['cpu_count']} logical CPUs, "
+        f"torch {torch.__version__}, {result['threads']} threads. Load average (1/5/15 min) at "
+        f"start {' '.join(result['load_start'])}, at end {' '.join(result['load_end'])}.",
+        "",
+        "Produced by `python -m launch.profile_step` (method in its docstring): medians of "
+        f"{result['repeats']} interleaved rounds of {result['steps']} steps per variant.",
+        "",
+        f"| variant | step (median) | vs {variants[0]} |",
+        "|---|---:|---:|",
+    ]
+    for v in variants:
+        lines.append(f"| {v} | {steps[v] * 1e3:.0f} ms | {steps[v] / base:.2f}x |")
+    shown = [v for v in variants if v in ("bf16", "nvfp4")] or variants[:2]
+    names = sorted({n for v in shown for n in result["parts_s"][v]},
+                   key=lambda n: -max(result["parts_s"][v].get(n, 0.0) for v in shown))
+    lines += ["", "| part | " + " | ".join(f"{v}: ms (% of step)" for v in shown) + " |",
+              "|---|" + "---:|" * len(shown)]
+    for n in names:
+        cells = []
+        for v in shown:
+            value = result["parts_s"][v].get(n, 0.0)
+            cells.append(f"{value * 1e3:.0f} ({100 * value / steps[v]:.0f} %)")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
+    args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants or args.steps < 1 or args.repeats < 1:
+        parser.error(f"unknown --variants {bad} (choose from {list(VARIANTS)}); --steps and "
+                     "--repeats must be >= 1")
+    text = report(profile(variants, args.steps, args.repeats))
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
