@@ -283,21 +283,13 @@ def _te_linear_fn(fmt: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], ob
 
 # -- training steps -------------------------------------------------------------------------------
 def flops_per_token(cfg, seq: int, vocab: int) -> float:
-    """Model FLOPs per token of a training step: 6 x (GEMM weights + output layer) plus causal
-    attention (6 x seq x q_dim per attention layer: half of 12 s d). The Mamba scan, conv1d, norms
-    and elementwise work are not counted (the usual MFU convention counts only matmuls)."""
-    d_inner = cfg.mamba_num_heads * cfg.mamba_head_dim
-    q_dim = cfg.num_attention_heads * cfg.kv_channels
-    kv_dim = cfg.num_query_groups * cfg.kv_channels
-    per_kind = {
-        "mamba": cfg.hidden_size * (2 * d_inner + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim
-                                    + cfg.mamba_num_heads) + d_inner * cfg.hidden_size,
-        "attention": cfg.hidden_size * (q_dim + 2 * kv_dim) + q_dim * cfg.hidden_size,
-        "mlp": 2 * cfg.hidden_size * cfg.ffn_hidden_size,
-    }
-    weights = sum(per_kind[k] for k in cfg.layer_kinds()) + cfg.hidden_size * vocab
-    attention = sum(6 * seq * q_dim for k in cfg.layer_kinds() if k == "attention")
-    return 6.0 * weights + attention
+    """Model FLOPs per token of a training step, for MFU: model/flops.py's count (the planner's
+    too): 6 x (GEMM weights + output layer) + causal attention + the SSD scan + conv1d, with the
+    output layer at the padded vocabulary the model is built with."""
+    from model.build import padded_vocab_size
+    from model.flops import flops_per_token as model_flops_per_token
+
+    return model_flops_per_token(cfg, seq, padded_vocab_size(vocab, cfg.vocab_multiple, 1))
 
 
 @contextlib.contextmanager

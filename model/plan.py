@@ -9,8 +9,11 @@ precision map (`precision_map`) and the preflight (`preflight`: every low-precis
 shapes checked against the rules of each backend the run may use, at parallel.tensor and at
 tensor 1/2/4/8; nvfp4_recipe/preflight.py). `run_preflight` is the same check at start-up.
 
-Formulas (every number in plan.json comes from one of these; P = parameters, b = micro-batch,
-s = sequence length, t = tensor parallel, p = pipeline parallel, d = data parallel):
+The memory model is the trainer's: megatron's `--bf16` mixed precision
+(training/mixed_precision.py), `trainer.distributed_optimizer`, `trainer.recompute*`
+(model/recompute.py) and `parallel.sequence`. Formulas (P = parameters, b = micro-batch,
+s = sequence length, t = tensor parallel, p = pipeline parallel, d = data parallel, h = hidden;
+GiB = 2^30 bytes):
 
 Parameters per rank
     A parameter is *TP-sharded* when it belongs to a megatron tensor-parallel linear or the
@@ -19,62 +22,73 @@ Parameters per rank
     (the RMSNorm weights before each layer and the final norm) is replicated: numel per rank.
     Stages split the pattern as megatron's `MambaStack._select_layers_for_pipeline_parallel`
     (even split, or `parallel.first_stage_layers` / `last_stage_layers`); the embedding lives on
-    the first stage, the final norm and the output layer on the last. P_rank is the largest stage.
+    the first stage, the final norm and the output layer on the last. P_rank is per stage.
     The vocabulary is padded to a multiple of `model.vocab_multiple` x t, as `build_model` does.
 
-Memory per rank (bytes; GiB = 2^30 bytes)
-    static      = 4 P_rank (FP32 master weights) + 4 P_rank (FP32 gradients)
-                + 8 P_rank (AdamW exp_avg + exp_avg_sq, FP32; torch AdamW, no distributed
-                  optimizer, so every data-parallel replica holds all of it)
-                + 2 P_gemm_rank (BF16 working copies of the GEMM weights: the linears and the
-                  output layer; embedding and norms are not cast). The emulated linears keep the
-                  BF16 copy alive for backward; on TE the FP8/FP4 weight caches are smaller, so
-                  this is an upper bound there.
-    activations = sum over the busiest stage's layers of
-                  elements_per_token(kind) x b x s x 2 B (BF16) x in_flight,
-                  elements_per_token (h = hidden; all TP-sharded terms / t; the h-wide terms are
-                  replicated because sequence parallelism is off):
-                    mamba     2h (norm in, in_proj in) + [in_proj out (2 d_inner + 2 g N + H)
-                              + conv out (d_inner + 2 g N) + scan out (d_inner)
-                              + gate/norm (d_inner) + out_proj in (d_inner)] / t
-                    attention 2h (norm in, qkv in) + [qkv out ((n_q + 2 n_kv) d_head)
-                              + context = proj in (n_q d_head)] / t; flash-style kernels keep
-                              no s^2 score matrix (their per-row log-sum-exp is neglected)
-                    mlp       2h (norm in, fc1 in) + [fc1 out (f) + activation out (f)] / t
-                  in_flight = min(p - stage, micro-batches per step) under a 1F1B pipeline
-                  schedule (1 when p = 1).
-                  With plan.activation_recompute: h x b x s x 2 B per layer (the layer inputs)
-                  + the largest single layer's full activations (recomputed during backward).
-                  Neglected: the scan's per-head dt / cumulative-decay vectors (H per token,
-                  < 1%), the kernels' workspaces, the CUDA context and allocator fragmentation.
-    logits      = b x s x V_padded / t x 4 B on the last stage (megatron's vocab-parallel cross
-                  entropy keeps the FP32 softmax for backward).
-    transient   = 4 P_rank (torch foreach AdamW allocates a sqrt(exp_avg_sq) buffer per param
-                  group) + 4 P_rank when d > 1 (the trainer flattens all gradients into one FP32
-                  buffer for the data-parallel all-reduce). Both happen after backward, when the
-                  activations are gone.
-    total       = static + max(activations + logits, transient). Gradients are counted during
-                  the forward pass too: with gradient accumulation they persist from the first
-                  micro-batch on.
+Static memory per rank (Megatron-LM's count: 18 B/param, or 6 + 12/d with the distributed
+optimizer, megatron/training/theoretical_memory_usage.py:293-296 at core_v0.19.0)
+    weights     2 P_rank    BF16 (megatron's Float16Module casts every parameter).
+    main grads  4 P_rank    FP32 gradient buffer (grad_reduce_in_fp32); full size on every rank,
+                            also under the distributed optimizer (it reduce-scatters in place).
+    optimizer  12 P_rank / d_opt   FP32 master weights + Adam exp_avg + exp_avg_sq; d_opt = d with
+                            trainer.distributed_optimizer, else 1 (every replica holds all of it).
+    TE weights  (plan backend te only) the quantized copies TE caches of each low-precision GEMM
+                weight across micro-batches, row-wise for Fprop and column-wise for Dgrad:
+                NVFP4 2 x (0.5 + 1/16) B, FP8 2 x 1 B per weight element (an estimate of TE's
+                workspaces; BF16 linears keep none).
 
-FLOPs per token (model FLOPs, fwd + bwd = 3 x forward)
-    6 x N_gemm          N_gemm = parameters of every linear + the output layer (the embedding is
-                        a lookup, not a GEMM — the main reason the total is below 6 x P).
-    + attention         6 x n_q x d_head x s per attention layer: QK^T and scores x V over the
-                        causal mean context of s / 2 keys (what flash kernels compute).
-    + SSD scan          3 x [2 g Q N + H (2 Q P + 4 N P)] per Mamba layer (chunk Q, heads H of
-                        dim P, state N, g groups): the intra-chunk C B^T and its product with x
-                        over full Q x Q blocks, the chunk states B^T x and their read-out C h;
-                        the inter-chunk state passing (H P N per chunk) is neglected.
-    + conv1d            3 x 2 k (d_inner + 2 g N) per Mamba layer.
-    Not counted: norms, activations, softmax, gating, the optimizer (not tensor-core work).
-    Approximations: the causal halving of attention; backward = 2 x forward for the scan.
+Activations of one micro-batch (BF16, 2 B per element; sp = t with parallel.sequence, else 1)
+    per layer, elements per token; the h-wide terms outside the TP-sharded regions (the norm's
+    input, the first linear's input) are / sp, everything inside / t, as in Korthikanti et al.
+    2022 (arXiv 2205.05198, Table 2: with sequence parallelism every term is / t):
+        mamba     2h / sp (norm in, in_proj in) + [in_proj out (2 d_inner + 2 g N + H: also
+                  the conv's input and the gate z) + conv out (d_inner + 2 g N: the scan's x, B,
+                  C) + scan out (d_inner: the gated norm's input) + out_proj in (d_inner)] / t;
+                  mamba_ssm's gated RMSNorm saves its x and z, not x * silu(z)
+                  (ops/triton/layernorm_gated.py, LayerNormFn.forward)
+        attention 2h / sp (norm in, qkv in) + [qkv out ((n_q + 2 n_kv) d_head)
+                  + context = proj in (n_q d_head)] / t; flash-style kernels keep no s^2 score
+                  matrix (their per-row log-sum-exp is neglected)
+        mlp       2h / sp (norm in, fc1 in) + [fc1 out (f) + activation out (f)] / t
+    + (plan backend emulated) each low-precision linear saves its quantized weight (BF16 values)
+      for Dgrad: 2 B x its weight elements per rank, per micro-batch (nvfp4_recipe/linear.py).
+    last stage: + final-norm input and output-layer input (2h / sp per token); and at the end of
+      the forward the logits, b s V/t x 6 B: the output layer's BF16 logits (2 B) and the FP32
+      copy the vocab-parallel cross entropy turns into its saved softmax (4 B; Megatron-LM counts
+      those 4 B, theoretical_memory_usage.py:368-376 at core_v0.19.0).
+    Recompute (trainer.recompute, model/recompute.py):
+        none       every layer keeps everything above.
+        selective  megatron's core-attention recompute (and on the portable spec the Mamba conv1d
+                   + SSD scan): the kernels this model counts (flash attention, mamba_ssm's fused
+                   scan) keep only their inputs already, so it saves nothing here.
+        full       each stage's layers split as `checkpointed_chunks` (megatron's uniform: chunks
+                   of recompute_layers layers; block: the first recompute_layers layers one by
+                   one, the rest not recomputed); a checkpointed chunk keeps its input only,
+                   s b h / sp x 2 B, and its full activations exist again while its backward runs.
+    in_flight = min(p - stage, micro-batches per step): megatron's 1F1B schedule holds up to
+    p - stage micro-batches of activations on a stage (1 when p = 1).
+
+Peak per rank = static + the largest of
+    end of forward   in_flight x kept + logits (kept = what one micro-batch keeps, above)
+    recompute        (in_flight - 1) x kept + max over checkpointed chunks k of [what the chunks
+                     before k keep + chunk k's full activations] (full recompute only)
+    optimizer step   4 B x the optimizer's elements with torch's foreach AdamW (a sqrt(exp_avg_sq)
+                     buffer: the CPU twin, or megatron without TE / apex; plan backend emulated),
+                     0 with TE's FusedAdam (backend te). The activations are gone by then.
+    Neglected: the scan's per-head dt / cumulative-decay vectors (H per token), each parameter's
+    BF16 .grad before the DDP hook folds it into main_grad (the largest, the output layer's, is
+    2 V h / t B), TE's quantized saved inputs (smaller than the BF16 counted), kernel workspaces,
+    the CUDA context and allocator fragmentation. The activation model is the GPU kernels'; the
+    portable spec on CPU keeps more (FP32 SSD-scan and attention intermediates):
+    docs/benchmarks/memory-plan.md measures both.
+
+FLOPs per token: model/flops.py (one count, shared with the bench's MFU).
 
 Time
     time_s = flops_per_token x total_tokens / (gpus x peak_tflops x 1e12 x mfu), with MFU on
-    model FLOPs (activation recompute costs ~1/3 more hardware FLOPs, which shows up as a lower
-    achievable MFU, not in this formula). Low-precision GEMMs run faster than BF16 peak, so at a
-    given `mfu` the BF16 peak makes this a conservative (long) estimate.
+    model FLOPs (activation recompute costs up to ~1/3 more hardware FLOPs, which shows up as a
+    lower achievable MFU, not in this formula). Low-precision GEMMs run faster than BF16 peak, so
+    at a given `mfu` the BF16 peak makes this a conservative (long) estimate.
 """
 
 from __future__ import annotations
@@ -85,21 +99,26 @@ import gc
 import json
 import math
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import time as _time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 GIB = 2**30
-BYTES_MASTER = 4  # FP32 master weight
-BYTES_GRAD = 4  # FP32 gradient
-BYTES_ADAM = 8  # FP32 exp_avg + exp_avg_sq
-BYTES_WORKING = 2  # BF16 working copy of a GEMM weight
-BYTES_ACTIVATION = 2  # BF16 activations (the GPU production assumption)
-BYTES_LOGIT = 4  # FP32 softmax kept by the vocab-parallel cross entropy
-BYTES_OPT_TEMP = 4  # foreach AdamW sqrt(exp_avg_sq) buffer
-BYTES_DP_FLAT = 4  # the trainer's flattened FP32 gradient buffer for the DP all-reduce
+BYTES_WEIGHT = 2  # BF16 parameters (Float16Module)
+BYTES_MAIN_GRAD = 4  # FP32 main-grad buffer
+BYTES_OPTIMIZER = 12  # FP32 master weight + exp_avg + exp_avg_sq
+BYTES_ACTIVATION = 2  # BF16 activations
+BYTES_LOGITS = 6  # BF16 logits + the FP32 copy the vocab-parallel cross entropy keeps
+BYTES_EMULATED_WEIGHT_COPY = 2  # the emulated low-precision linear's saved BF16 weight values
+BYTES_ADAM_TEMP = 4  # foreach AdamW's sqrt(exp_avg_sq) buffer
+# TE's cached quantized weight per element: row-wise + column-wise data and their block scales.
+TE_WEIGHT_CACHE_BYTES = {"nvfp4": 2 * (0.5 + 1 / 16), "fp8": 2.0}
+BACKENDS = ("te", "emulated")
 # Vocabulary when none is known without building data: model.vocab_size unset and data.tokenizer
 # naming a file that does not exist (yet). The demo tokenizer uses data.demo.vocab_size instead.
 PLACEHOLDER_VOCAB = 8192
@@ -120,8 +139,9 @@ class PlanConfig:
     mfu: float = 0.4
     # Tokens of the run; None = trainer.max_steps x global_batch_size x seq_length.
     total_tokens: Optional[int] = None
-    # Full-layer activation recompute (changes the activation term; see the module docstring).
-    activation_recompute: bool = False
+    # The GEMM backend of the target machine (te | emulated), which changes the low-precision
+    # weight copies and the optimizer's step buffer; None = the one this machine would use.
+    backend: Optional[str] = None
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -243,19 +263,20 @@ def _linear_weight_params(module, sharded: set[int], tensor: int) -> tuple[int, 
     return full, rank
 
 
-# -- activations and FLOPs ----------------------------------------------------------------------
+# -- activations ----------------------------------------------------------------------------------
 
 
-def activation_elements_per_token(kind: str, m, tensor: int) -> dict[str, float]:
+def activation_elements_per_token(kind: str, m, tensor: int,
+                                  sequence_parallel: bool = False) -> dict[str, float]:
     """Saved activation elements per token of one layer on one TP rank (module docstring)."""
-    h = m.hidden_size
+    h = m.hidden_size / (tensor if sequence_parallel else 1)  # outside the TP-sharded regions
     if kind == "mamba":
         d_inner = m.mamba_num_heads * m.mamba_head_dim
         gn = 2 * m.mamba_num_groups * m.mamba_state_dim
         return {"norm_in": h, "in_proj_in": h,
                 "in_proj_out": (2 * d_inner + gn + m.mamba_num_heads) / tensor,
                 "conv_out": (d_inner + gn) / tensor, "scan_out": d_inner / tensor,
-                "gate_norm": d_inner / tensor, "out_proj_in": d_inner / tensor}
+                "out_proj_in": d_inner / tensor}
     if kind == "attention":
         d = m.kv_channels
         return {"norm_in": h, "qkv_in": h,
@@ -267,17 +288,33 @@ def activation_elements_per_token(kind: str, m, tensor: int) -> dict[str, float]
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
-def nongemm_flops_per_token(kind: str, m, seq: int) -> float:
-    """Attention-score / SSD-scan / conv FLOPs per token of one layer, fwd + bwd."""
-    if kind == "attention":
-        return 6.0 * m.num_attention_heads * m.kv_channels * seq
-    if kind == "mamba":
-        q, n, g = m.mamba_chunk_size, m.mamba_state_dim, m.mamba_num_groups
-        heads, p = m.mamba_num_heads, m.mamba_head_dim
-        scan = 2 * g * q * n + heads * (2 * q * p + 4 * n * p)
-        conv = 2 * 4 * (heads * p + 2 * g * n)  # d_conv = 4 (megatron's default)
-        return 3.0 * (scan + conv)
-    return 0.0
+def recompute_config_of(trainer):
+    """The trainer's recompute setting as a validated RecomputeConfig."""
+    from .recompute import RecomputeConfig
+
+    rc = RecomputeConfig(getattr(trainer, "recompute", "none"),
+                         getattr(trainer, "recompute_method", "uniform"),
+                         getattr(trainer, "recompute_layers", 1))
+    rc.validate()
+    return rc
+
+
+def stage_activation_bytes(layer_bytes: list[int], input_bytes: int, recompute) -> dict[str, int]:
+    """One micro-batch on one stage: {"kept": what stays from its forward to its backward,
+    "recompute_peak": the most alive while a checkpointed chunk's backward runs (0 without
+    full recompute)}. `layer_bytes[i]`: layer i's full activations; `input_bytes`: one layer
+    input (what a checkpointed chunk keeps)."""
+    from .recompute import checkpointed_chunks
+
+    kept, peak = 0, 0
+    for start, end, checkpointed in checkpointed_chunks(len(layer_bytes), recompute):
+        full = sum(layer_bytes[start:end])
+        if checkpointed:
+            peak = max(peak, kept + full)  # the chunks after this one are freed by then
+            kept += input_bytes
+        else:
+            kept += full
+    return {"kept": kept, "recompute_peak": peak}
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -306,11 +343,24 @@ def _build_meta(cfg, vocab_padded: int):
                            backend="emulated")
 
 
-def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int = BYTES_ACTIVATION
-               ) -> dict[str, Any]:
+def _plan_backend(cfg, plan: PlanConfig) -> tuple[str, str]:
+    from .build import choose_backend
+
+    if plan.backend is not None:
+        if plan.backend not in BACKENDS:
+            raise ValueError(f"plan.backend={plan.backend!r}: choose te, emulated or null")
+        return plan.backend, "plan.backend"
+    try:
+        return choose_backend(cfg.precision, cfg.model.spec)
+    except ValueError as exc:  # backend=te requested on a machine without it: plan anyway
+        return "te", f"requested; not available on this machine ({exc})"
+
+
+def build_plan(cfg, plan: Optional[PlanConfig] = None) -> dict[str, Any]:
     """The plan of a TrainConfig as the plan.json dictionary (needs megatron's parallel state
     initialised with tensor = pipeline = 1)."""
-    from .build import choose_backend, padded_vocab_size
+    from .build import padded_vocab_size
+    from .flops import flops_per_token_terms, gemm_weights
     from .specs import LINEAR_NAMES
 
     plan = plan or plan_config_of(cfg)
@@ -330,6 +380,11 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
     if not 0 < plan.mfu <= 1 or plan.peak_tflops <= 0:
         raise ValueError(f"plan.mfu={plan.mfu} must be in (0, 1] and plan.peak_tflops="
                          f"{plan.peak_tflops} positive")
+    recompute = recompute_config_of(tr)
+    sp = bool(par.sequence) and t > 1
+    distributed = bool(getattr(tr, "distributed_optimizer", False))
+    opt_shards = dp if distributed else 1
+    backend, reason = _plan_backend(cfg, plan)
 
     vocab, vocab_source = resolve_vocab(cfg)
     vocab_padded = padded_vocab_size(vocab, m.vocab_multiple, t)
@@ -340,18 +395,23 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
     kinds = m.layer_kinds()
 
     layers, counts = [], {}
-    layer_rank_params = []
+    layer_rank_params, layer_lowp = [], []  # per layer: params / rank; {format: weights / rank}
     for i, layer in enumerate(module.decoder.layers):
-        linears = {}
+        linears, lowp = {}, {}
         for name in LINEAR_NAMES[kinds[i]]:
-            fmt = getattr(layer.get_submodule(name), "gemm_format", None)
+            sub = layer.get_submodule(name)
+            fmt = getattr(sub, "gemm_format", None)
             if fmt != decisions[i].linear_format(name):
                 raise AssertionError(f"layer {i} {name}: built {fmt!r}, policy "
                                      f"{decisions[i].linear_format(name)!r}")
             linears[name] = fmt
             counts[fmt] = counts.get(fmt, 0) + 1
+            if fmt != "bf16":
+                n = sub.weight.numel()
+                lowp[fmt] = lowp.get(fmt, 0) + (n // t if id(sub.weight) in sharded else n)
         full, rank = _count(layer, sharded, t)
         layer_rank_params.append(rank)
+        layer_lowp.append(lowp)
         formats = set(linears.values())
         layers.append({"index": i, "kind": kinds[i],
                        "precision": formats.pop() if len(formats) == 1 else "mixed",
@@ -363,62 +423,91 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
     fnorm_full, fnorm_rank = _count(module.decoder.final_norm, sharded, t)
     gemm_full, _ = _linear_weight_params(module.decoder, sharded, t)
     gemm_full += out_full
+    if gemm_full != gemm_weights(m, vocab_padded):  # the FLOP count must see the built GEMMs
+        raise AssertionError(f"built GEMM weights {gemm_full:,} != model/flops.py's "
+                             f"{gemm_weights(m, vocab_padded):,}")
 
-    # Pipeline stages: parameters and activations per rank.
-    stages = pipeline_stages(m.num_layers, p, par.first_stage_layers, par.last_stage_layers)
+    # Activations of one micro-batch, per layer (bytes): BF16 tensors + emulated weight copies.
     b, s = tr.micro_batch_size, tr.seq_length
-    act_layer = [round(sum(activation_elements_per_token(k, m, t).values()) * b * s
-                       * activation_bytes) for k in kinds]
+    per_token = {k: sum(activation_elements_per_token(k, m, t, sp).values())
+                 for k in dict.fromkeys(kinds)}
+    act_layer = [round(per_token[k] * b * s * BYTES_ACTIVATION) for k in kinds]
+    if backend == "emulated":
+        act_layer = [a + BYTES_EMULATED_WEIGHT_COPY * sum(lp.values())
+                     for a, lp in zip(act_layer, layer_lowp)]
+    h_sp = m.hidden_size // (t if sp else 1)
+    input_bytes = b * s * h_sp * BYTES_ACTIVATION  # one layer's input (a checkpointed chunk's)
+
+    stages = pipeline_stages(m.num_layers, p, par.first_stage_layers, par.last_stage_layers)
     stage_rows = []
     for r, st in enumerate(stages):
         params = sum(layer_rank_params[i] for i in st)
-        gemm = sum(_linear_weight_params(module.decoder.layers[i], sharded, t)[1] for i in st)
         if r == 0:
             params += emb_rank
-        if r == p - 1:
+        last = r == p - 1
+        if last:
             params += out_rank + fnorm_rank
-            gemm += out_rank
+        te_cache = 0
+        if backend == "te":
+            for i in st:
+                for fmt, n in layer_lowp[i].items():
+                    if fmt not in TE_WEIGHT_CACHE_BYTES:
+                        raise ValueError(f"{fmt} linears do not run on TE (layer {i}): plan with "
+                                         "plan.backend=emulated")
+                    te_cache += TE_WEIGHT_CACHE_BYTES[fmt] * n
+        opt_elems = -(-params // opt_shards)
+        static = {"weights": BYTES_WEIGHT * params, "main_grads": BYTES_MAIN_GRAD * params,
+                  "optimizer": BYTES_OPTIMIZER * opt_elems, "te_weight_cache": round(te_cache)}
+        acts = stage_activation_bytes([act_layer[i] for i in st], input_bytes, recompute)
+        head = 2 * b * s * h_sp * BYTES_ACTIVATION if last else 0  # final norm in, output in
+        kept = acts["kept"] + head
+        logits = b * s * vocab_padded // t * BYTES_LOGITS if last else 0
         in_flight = min(p - r, micro_batches)
-        if plan.activation_recompute:
-            per_mb = (len(st) * m.hidden_size * b * s * activation_bytes
-                      + max((act_layer[i] for i in st), default=0))
-        else:
-            per_mb = sum(act_layer[i] for i in st)
-        logits = b * s * vocab_padded // t * BYTES_LOGIT if r == p - 1 else 0
-        static = (BYTES_MASTER + BYTES_GRAD + BYTES_ADAM) * params + BYTES_WORKING * gemm
-        transient = BYTES_OPT_TEMP * params + (BYTES_DP_FLAT * params if dp > 1 else 0)
-        acts = per_mb * in_flight
+        end_of_forward = in_flight * kept + logits
+        recompute_peak = ((in_flight - 1) * kept + acts["recompute_peak"]
+                          if acts["recompute_peak"] else 0)
+        transient = BYTES_ADAM_TEMP * opt_elems if backend == "emulated" else 0
+        static_total = sum(static.values())
         stage_rows.append({
             "stage": r, "layers": [st.start, st.stop - 1] if len(st) else [],
-            "parameters_per_rank": params, "gemm_parameters_per_rank": gemm,
-            "in_flight_micro_batches": in_flight, "static_bytes": static,
-            "activation_bytes": acts, "logit_bytes": logits, "transient_bytes": transient,
-            "total_bytes": static + max(acts + logits, transient)})
-    busiest = max(stage_rows, key=lambda r: r["total_bytes"])
-    params_rank = max(r["parameters_per_rank"] for r in stage_rows)
-    pr, gr = busiest["parameters_per_rank"], busiest["gemm_parameters_per_rank"]
+            "parameters_per_rank": params, "optimizer_elements_per_rank": opt_elems,
+            "in_flight_micro_batches": in_flight,
+            "static_bytes": static_total, **{f"{k}_bytes": v for k, v in static.items()},
+            "kept_per_micro_batch_bytes": kept, "activation_bytes": in_flight * kept,
+            "logit_bytes": logits, "recompute_peak_bytes": recompute_peak,
+            "transient_bytes": transient,
+            "total_bytes": static_total + max(end_of_forward, recompute_peak, transient)})
+    busiest = max(stage_rows, key=lambda row: row["total_bytes"])
+    params_rank = max(row["parameters_per_rank"] for row in stage_rows)
+    peak_phase = max((("end of forward", busiest["activation_bytes"] + busiest["logit_bytes"]),
+                      ("recompute", busiest["recompute_peak_bytes"]),
+                      ("optimizer step", busiest["transient_bytes"])), key=lambda x: x[1])[0]
     memory = {
         "stage": busiest["stage"],
-        "parameters_per_rank": pr,
-        "weights_fp32_gib": _gib(BYTES_MASTER * pr),
-        "grads_fp32_gib": _gib(BYTES_GRAD * pr),
-        "adam_fp32_gib": _gib(BYTES_ADAM * pr),
-        "weights_bf16_working_gib": _gib(BYTES_WORKING * gr),
+        "parameters_per_rank": busiest["parameters_per_rank"],
+        "backend": backend,
+        "weights_bf16_gib": _gib(busiest["weights_bytes"]),
+        "main_grads_fp32_gib": _gib(busiest["main_grads_bytes"]),
+        "optimizer_fp32_gib": _gib(busiest["optimizer_bytes"]),
+        "te_weight_cache_gib": _gib(busiest["te_weight_cache_bytes"]),
+        "static_gib": _gib(busiest["static_bytes"]),
         "activations_gib": _gib(busiest["activation_bytes"]),
         "logits_gib": _gib(busiest["logit_bytes"]),
+        "recompute_peak_gib": _gib(busiest["recompute_peak_bytes"]),
         "transient_gib": _gib(busiest["transient_bytes"]),
-        "activation_bytes_per_element": activation_bytes,
+        "peak_phase": peak_phase,
         "activations_per_layer_gib": {
-            k: _gib(sum(activation_elements_per_token(k, m, t).values()) * b * s
-                    * activation_bytes) for k in dict.fromkeys(kinds)},
+            k: _gib(per_token[k] * b * s * BYTES_ACTIVATION) for k in per_token},
+        "layer_input_gib": _gib(input_bytes),
         "micro_batch_size": b, "seq_length": s, "micro_batches_per_step": micro_batches,
-        "activation_recompute": plan.activation_recompute,
+        "distributed_optimizer": distributed, "optimizer_sharded_over": opt_shards,
+        "sequence_parallel": sp,
+        "recompute": dataclasses.asdict(recompute),
         "stages": stage_rows,
     }
 
-    gemm_flops = 6.0 * gemm_full
-    other_flops = sum(nongemm_flops_per_token(k, m, s) for k in kinds)
-    flops_per_token = gemm_flops + other_flops
+    flops = flops_per_token_terms(m, s, vocab_padded)
+    flops_per_token = flops["total"]
     tokens = plan.total_tokens if plan.total_tokens is not None else (
         tr.max_steps * tr.global_batch_size * s)
     cluster_flops = gpus * plan.peak_tflops * 1e12 * plan.mfu
@@ -436,10 +525,6 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
         "gpu_hours": round(seconds * gpus / 3600, 1),
     }
 
-    try:
-        backend, reason = choose_backend(cfg.precision, cfg.model.spec)
-    except ValueError as exc:  # backend=te requested on a machine without it: plan anyway
-        backend, reason = "te", f"requested; not available on this machine ({exc})"
     checks = preflight(cfg, preflight_backends(cfg.precision, cfg.model.spec), probe_device(cfg))
 
     return {
@@ -458,7 +543,8 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, *, activation_bytes: int 
         "memory_per_rank_gib": _gib(busiest["total_bytes"]),
         "memory": memory,
         "flops_per_token": flops_per_token,
-        "flops": {"gemm_per_token": gemm_flops, "attention_scan_conv_per_token": other_flops,
+        "flops": {"gemm_per_token": flops["gemm"], "attention_per_token": flops["attention"],
+                  "ssd_scan_per_token": flops["ssd_scan"], "conv1d_per_token": flops["conv1d"],
                   "ratio_to_6P": round(flops_per_token / (6.0 * total), 4)},
         "time": time,
     }
@@ -612,6 +698,10 @@ def print_plan(plan: dict, console=None) -> None:
     console.print(table)
 
     mem, tm = plan["memory"], plan["time"]
+    stage_row = mem["stages"][mem["stage"]]
+    rc = mem["recompute"]
+    recompute = (f"recompute {rc['granularity']}" if rc["granularity"] != "full" else
+                 f"recompute full ({rc['method']}, {rc['num_layers']} layer(s))")
     summary = Table(title="plan", show_header=False)
     summary.add_column("item")
     summary.add_column("value")
@@ -629,16 +719,28 @@ def print_plan(plan: dict, console=None) -> None:
                    f"data {tm['data']}; {mem['micro_batches_per_step']} micro-batches of "
                    f"{mem['micro_batch_size']} x {mem['seq_length']} per step"),
         ("params / rank", f"{mem['parameters_per_rank']:,} (stage {mem['stage']})"),
-        ("memory / rank", f"{plan['memory_per_rank_gib']:.2f} GiB = weights {mem['weights_fp32_gib']}"
-                          f" + grads {mem['grads_fp32_gib']} + Adam {mem['adam_fp32_gib']} + BF16 "
-                          f"copies {mem['weights_bf16_working_gib']} + max(activations "
-                          f"{mem['activations_gib']} + logits {mem['logits_gib']}, optimizer "
-                          f"transients {mem['transient_gib']}) GiB"
-                          + (" [recompute]" if mem["activation_recompute"] else "")),
+        ("memory / rank", f"{plan['memory_per_rank_gib']:.2f} GiB at the {mem['peak_phase']} "
+                          f"(stage {mem['stage']}) = static {mem['static_gib']} + "
+                          f"{plan['memory_per_rank_gib'] - mem['static_gib']:.3f} GiB"),
+        ("static", f"BF16 weights {mem['weights_bf16_gib']} + FP32 main grads "
+                   f"{mem['main_grads_fp32_gib']} + FP32 master + Adam {mem['optimizer_fp32_gib']}"
+                   + (f" (distributed optimizer: / {mem['optimizer_sharded_over']})"
+                      if mem["distributed_optimizer"] else "")
+                   + f" + TE weight cache {mem['te_weight_cache_gib']} GiB "
+                     f"({mem['backend']} GEMMs)"),
+        ("activations", f"kept {mem['activations_gib']} ({stage_row['in_flight_micro_batches']} "
+                        f"micro-batch(es) in flight) + logits {mem['logits_gib']} GiB at the end "
+                        f"of the forward; recompute peak {mem['recompute_peak_gib']}; optimizer "
+                        f"step {mem['transient_gib']} GiB; {recompute}; sequence parallel "
+                        f"{'on' if mem['sequence_parallel'] else 'off'}; per layer "
+                        + ", ".join(f"{k} {v}" for k, v in mem["activations_per_layer_gib"].items())
+                        + f" GiB, layer input {mem['layer_input_gib']} GiB"),
         ("FLOPs / token", f"{plan['flops_per_token'] / 1e9:.2f} G "
                           f"({plan['flops']['ratio_to_6P']:.3f} x 6P; GEMMs "
-                          f"{plan['flops']['gemm_per_token'] / 1e9:.2f} G, attention+scan+conv "
-                          f"{plan['flops']['attention_scan_conv_per_token'] / 1e9:.2f} G)"),
+                          f"{plan['flops']['gemm_per_token'] / 1e9:.2f} G, attention "
+                          f"{plan['flops']['attention_per_token'] / 1e9:.2f} G, SSD scan "
+                          f"{plan['flops']['ssd_scan_per_token'] / 1e9:.2f} G, conv1d "
+                          f"{plan['flops']['conv1d_per_token'] / 1e9:.3f} G)"),
         ("time", f"{tm['total_tokens']:.4g} tokens, {tm['steps']:,} steps of "
                  f"{tm['step_seconds']:.2f} s: {tm['days']:.2f} days = {tm['gpu_hours']:,.0f} "
                  f"GPU-hours at MFU {tm['mfu']} of {tm['peak_tflops']:g} TFLOP/s"),
@@ -689,31 +791,184 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (VmHWM) of this process (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _peak_rss() -> int:
+    """VmHWM (resettable) where the kernel has it, else the lifetime ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
-def measure(steps: int = 2, micro_batches: int = 2, micro_batch_size: int = 4,
-            seq_length: int = 256, hidden_size: Optional[int] = None,
-            vocab_size: int = 4096) -> dict[str, Any]:
-    """Train the demo-shaped model `steps` optimizer steps on random tokens (CPU, BF16 recipe) and
-    compare its memory with the plan of the same configuration.
+def parse_recompute(text: str) -> tuple[str, str, int]:
+    """'none' | 'selective' | 'full[:uniform|block[:N]]' -> (granularity, method, layers)."""
+    parts = text.split(":")
+    granularity = parts[0]
+    method = parts[1] if len(parts) > 1 else "uniform"
+    layers = int(parts[2]) if len(parts) > 2 else 1
+    from .recompute import RecomputeConfig
 
-    Measured = kernel RSS high-water mark (`ru_maxrss`) minus the RSS after imports and process
-    group set-up, so every allocation torch makes (which tracemalloc cannot see) counts, including
-    short-lived ones. Static = RSS after the last step (weights, grads, Adam; activations freed)
-    minus the same baseline. RSS is page-granular and includes allocator caching; the baseline
-    must be the process's own high-water mark too, so run this in a fresh process."""
-    import torch
-    import torch.distributed as dist
+    RecomputeConfig(granularity, method, layers).validate("--recompute")
+    return granularity, method, layers
 
-    from megatron.core import parallel_state
 
+def measure_config(*, steps: int = 2, micro_batches: int = 2, micro_batch_size: int = 4,
+                   seq_length: int = 256, hidden_size: Optional[int] = None,
+                   vocab_size: int = 4096, recompute: str = "none"):
+    """The TrainConfig `measure` trains (and plans): the demo shape, the BF16 recipe."""
     from training.config import TrainConfig
 
+    cfg = TrainConfig()
+    cfg.model.vocab_size = vocab_size
+    if hidden_size is not None:
+        cfg.model.hidden_size = hidden_size
+    cfg.model.max_sequence_length = max(cfg.model.max_sequence_length, seq_length)
+    tr = cfg.trainer
+    tr.micro_batch_size = micro_batch_size
+    tr.global_batch_size = micro_batch_size * micro_batches
+    tr.seq_length = seq_length
+    tr.max_steps = steps
+    tr.recompute, tr.recompute_method, tr.recompute_layers = parse_recompute(recompute)
+    return cfg
+
+
+def recompute_supported() -> tuple[bool, str]:
+    """Whether the model takes the trainer's recompute setting yet (build_model(recompute=...))."""
+    import inspect
+
     from .build import build_model
+
+    if "recompute" in inspect.signature(build_model).parameters:
+        return True, ""
+    return False, "model.build.build_model takes no recompute= argument yet"
+
+
+def _build_like_trainer(cfg, vocab: int, ctx):
+    """Model, data-parallel wrapper and optimizer as training/trainer.py builds them."""
+    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+
+    from .build import build_model
+
+    rc = recompute_config_of(cfg.trainer)
+    ok, why = recompute_supported()
+    if not ok and rc.granularity != "none":
+        raise RuntimeError(f"cannot measure trainer.recompute={rc.granularity}: {why}")
+    kwargs = {"recompute": rc} if ok else {}
+    built = build_model(cfg.model, cfg.precision, vocab_size=vocab, backend="emulated",
+                        params_dtype=PARAMS_DTYPE, **kwargs)
+    model, optimizer = build_data_parallel_model(built.module, cfg.trainer, ctx)
+    return model, optimizer
+
+
+def _train(cfg, vocab: int, ctx, steps: int, micro_batches: int):
+    """`steps` optimizer steps on random tokens, as Trainer.train_step runs them."""
+    import torch
+
+    from training.pipeline import run_micro_batches
+
+    tr = cfg.trainer
+    model, optimizer = _build_like_trainer(cfg, vocab, ctx)
+    gen = torch.Generator().manual_seed(0)
+    shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
+    for _ in range(steps):
+        batches = []
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, vocab, (tr.micro_batch_size, tr.seq_length + 1),
+                                   generator=gen)
+            batches.append({"tokens": tokens[:, :-1].contiguous(),
+                            "labels": tokens[:, 1:].contiguous(),
+                            "loss_mask": torch.ones(tr.micro_batch_size, tr.seq_length)})
+        model.train()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        run_micro_batches(model, batches, ctx, shape)
+        optimizer.prepare_grads()
+        optimizer.clip_grad_norm(tr.grad_clip)
+        optimizer.step_with_ready_grads()
+        del batches
+    return model, optimizer
+
+
+def saved_activation_bytes(model, kinds: list[str], batch: dict) -> dict[str, Any]:
+    """Bytes autograd saves for backward in one forward of `batch`, by what saved them: each
+    decoder layer (averaged per kind) and the rest ("head": embedding, final norm, output layer,
+    loss). Each storage is counted once, at its full size (a view keeps all of it alive);
+    parameters are not activations and are left out."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    stack = next(m for m in model.modules()
+                 if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where, seen = ["head"], {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen[ptr] = (where[0], storage.nbytes())
+        return t
+
+    handles = []
+    for i, layer in enumerate(stack.layers):
+        handles.append(layer.register_forward_pre_hook(lambda *_, i=i: where.__setitem__(0, i)))
+        handles.append(layer.register_forward_hook(lambda *_: where.__setitem__(0, "head")))
+    try:
+        with saved_tensors_hooks(pack, lambda t: t):
+            out = model(batch["tokens"], None, None, labels=batch["labels"])
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer = [0] * len(stack.layers)
+    head = 0
+    for owner, nbytes in seen.values():
+        if owner == "head":
+            head += nbytes
+        else:
+            per_layer[owner] += nbytes
+    by_kind = {}
+    for kind in dict.fromkeys(kinds):
+        sizes = [n for n, k in zip(per_layer, kinds) if k == kind]
+        by_kind[kind] = sum(sizes) / len(sizes)
+    return {"per_layer_by_kind": by_kind, "head": head, "total": head + sum(per_layer)}
+
+
+def measure(steps: int = 2, micro_batches: int = 2, micro_batch_size: int = 4,
+            seq_length: int = 256, hidden_size: Optional[int] = None,
+            vocab_size: int = 4096, recompute: str = "none") -> dict[str, Any]:
+    """Train the demo-shaped model `steps` optimizer steps on random tokens on CPU, built and
+    stepped as the trainer does (BF16 weights, FP32 main grads, FP32 master + Adam, the
+    trainer's recompute), and compare its memory with the plan of the same configuration.
+
+    Measured = RSS high-water mark minus the RSS before the model is built (reset after a
+    warm-up), so every allocation torch makes counts, short-lived ones included. Static = RSS
+    after the last step (weights, grads, optimizer; activations freed) minus the same baseline.
+    RSS is page-granular and includes allocator caching: run it in a fresh process with
+    glibc's mmap threshold fixed (main() does)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from training.distributed import ParallelContext
+
+    from .compat import seed_model_parallel_rng
 
     created = False
     if not dist.is_initialized():
@@ -727,76 +982,80 @@ def measure(steps: int = 2, micro_batches: int = 2, micro_batch_size: int = 4,
         created = True
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    ctx = ParallelContext(world_size=1, rank=0, tensor=1, pipeline=1, data=1, tensor_rank=0,
+                          pipeline_rank=0, data_rank=0, device=torch.device("cpu"))
+    cfg = measure_config(steps=steps, micro_batches=micro_batches,
+                         micro_batch_size=micro_batch_size, seq_length=seq_length,
+                         hidden_size=hidden_size, vocab_size=vocab_size, recompute=recompute)
+    started = _time.perf_counter()
     try:
-        cfg = TrainConfig()
-        cfg.model.vocab_size = vocab_size
-        if hidden_size is not None:
-            cfg.model.hidden_size = hidden_size
-        cfg.model.max_sequence_length = max(cfg.model.max_sequence_length, seq_length)
-        cfg.trainer.micro_batch_size = micro_batch_size
-        cfg.trainer.global_batch_size = micro_batch_size * micro_batches
-        cfg.trainer.seq_length = seq_length
-        cfg.trainer.max_steps = steps
-        planned = build_plan(cfg, PlanConfig(gpus=1))
-        planned_fp32 = build_plan(cfg, PlanConfig(gpus=1), activation_bytes=4)
-
-        def train(model_cfg, n_steps):
-            built = build_model(model_cfg, cfg.precision, vocab_size=vocab_size,
-                                backend="emulated")
-            model = built.module
-            optimizer, _ = build_optimizer(model, cfg.trainer)
-            gen = torch.Generator().manual_seed(0)
-            for _ in range(n_steps):
-                optimizer.zero_grad(set_to_none=True)
-                for _ in range(micro_batches):
-                    tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length),
-                                           generator=gen)
-                    loss = model(tokens, None, None, labels=tokens).float().mean()
-                    (loss / micro_batches).backward()
-                    del loss
-                optimizer.step()
-            return model, optimizer
-
-        from training.optim import build_optimizer
-
-        # Warm-up on a 16x narrower model: faults in the library code and kernels the real run
-        # uses (they count in RSS but are not part of the plan), then frees it.
-        tiny = dataclasses.replace(cfg.model, hidden_size=max(cfg.model.hidden_size // 16, 16),
-                                   ffn_hidden_size=max(cfg.model.ffn_hidden_size // 16, 16))
+        planned = build_plan(cfg, PlanConfig(gpus=1, backend="emulated"))
+        seed_model_parallel_rng(cfg.trainer.seed)
+        # Warm-up on a 16x narrower model with the same recompute: faults in the library code
+        # and kernels the real run uses (they count in RSS but are not part of the plan).
+        tiny = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, hidden_size=max(cfg.model.hidden_size // 16, 16),
+            ffn_hidden_size=max(cfg.model.ffn_hidden_size // 16, 16)))
         torch.manual_seed(0)
-        warm = train(tiny, 1)
+        warm = _train(tiny, vocab_size, ctx, 1, micro_batches)
         del warm
         gc.collect()
         baseline = _rss()
+        reset = _reset_peak_rss()
         baseline_peak = _peak_rss()
-        model, optimizer = train(cfg.model, steps)
+        torch.manual_seed(0)
+        model, optimizer = _train(cfg, vocab_size, ctx, steps, micro_batches)
         static = _rss() - baseline
         peak = _peak_rss() - baseline
+        # After the measurement (it allocates): what autograd saves, by layer kind.
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen)
+        model.train()
+        saved = saved_activation_bytes(model, cfg.model.layer_kinds(),
+                                       {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+        del model, optimizer
     finally:
         if created:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
-    mem, mem32 = planned["memory"], planned_fp32["memory"]
-    planned_static = (mem["weights_fp32_gib"] + mem["grads_fp32_gib"] + mem["adam_fp32_gib"])
+    mem = planned["memory"]
+    planned_static = (mem["weights_bf16_gib"] + mem["main_grads_fp32_gib"]
+                      + mem["optimizer_fp32_gib"])
     return {
         "machine": _machine(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(_time.perf_counter() - started, 1),
         "config": {"pattern": cfg.model.pattern, "hidden_size": cfg.model.hidden_size,
                    "vocab_size": vocab_size, "micro_batch_size": micro_batch_size,
                    "micro_batches": micro_batches, "seq_length": seq_length, "steps": steps,
-                   "parameters": planned["parameters"], "precision": "bf16 (emulated linears)"},
+                   "parameters": planned["parameters"], "recompute": recompute,
+                   "precision": "bf16 (portable spec, BF16 weights, CPU twin of megatron's "
+                                "DDP + optimizer)"},
         "baseline_rss_gib": round(baseline / GIB, 3),
-        "baseline_was_peak": baseline_peak > baseline + peak,
+        "peak_reset": reset,
+        "baseline_was_peak": (not reset) and baseline_peak > baseline + peak,
         "measured_peak_gib": round(peak / GIB, 4),
         "measured_static_gib": round(static / GIB, 4),
+        "measured_activations_gib": round((peak - static) / GIB, 4),
         "planned_gib": planned["memory_per_rank_gib"],
-        "planned_fp32_activations_gib": planned_fp32["memory_per_rank_gib"],
         "planned_static_gib": round(planned_static, 4),
-        "planned_activations_gib": mem["activations_gib"] + mem["logits_gib"],
-        "planned_fp32_activations_only_gib": mem32["activations_gib"] + mem32["logits_gib"],
-        "ratio_peak": round(peak / GIB / planned["memory_per_rank_gib"], 3),
-        "ratio_peak_fp32_activations": round(
-            peak / GIB / planned_fp32["memory_per_rank_gib"], 3),
+        "planned_activations_gib": round(planned["memory_per_rank_gib"] - mem["static_gib"], 4),
+        "planned_terms_gib": {k: mem[k] for k in (
+            "weights_bf16_gib", "main_grads_fp32_gib", "optimizer_fp32_gib", "activations_gib",
+            "logits_gib", "recompute_peak_gib", "transient_gib")},
+        "planned_peak_phase": mem["peak_phase"],
+        "saved_per_layer_mib": {k: round(v / 2**20, 3)
+                                for k, v in saved["per_layer_by_kind"].items()},
+        "planned_per_layer_mib": {
+            k: round(sum(activation_elements_per_token(k, cfg.model, 1).values())
+                     * micro_batch_size * seq_length * BYTES_ACTIVATION / 2**20, 3)
+            for k in dict.fromkeys(cfg.model.layer_kinds())},
+        "saved_head_mib": round(saved["head"] / 2**20, 3),
+        "saved_total_mib": round(saved["total"] / 2**20, 3),
         "ratio_static": round(static / GIB / planned_static, 3) if planned_static else None,
+        "ratio_peak": round(peak / GIB / planned["memory_per_rank_gib"], 3),
+        "ratio_activations": round((peak - static) / (planned["memory_per_rank_gib"]
+                                                      - mem["static_gib"]) / GIB, 3),
     }
 
 
@@ -818,33 +1077,138 @@ def _machine() -> str:
             f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
 
 
+# glibc keeps freed heap memory in its arenas, so RSS would not fall when tensors are freed; with
+# a fixed 64 KiB mmap threshold every tensor buffer above it is its own mapping, returned to the
+# kernel on free, and RSS follows the live tensor bytes.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def measure_settings(settings: list[str], repeats: int, args: list[str]) -> list[dict]:
+    """Each recompute setting in its own fresh process (RSS is per process), interleaved over
+    the repeats so that a change of the machine's load hits every setting alike."""
+    results = []
+    for rep in range(repeats):
+        for setting in settings:
+            cmd = [sys.executable, "-m", "model.plan", "--measure", "--recompute", setting, *args]
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  env={**os.environ, **MALLOC_ENV})
+            if proc.returncode:
+                results.append({"setting": setting, "repeat": rep,
+                                "error": (proc.stderr or proc.stdout)[-600:]})
+            else:
+                results.append({"setting": setting, "repeat": rep, **json.loads(proc.stdout)})
+            print(json.dumps({k: results[-1].get(k) for k in (
+                "setting", "repeat", "ratio_static", "ratio_peak", "ratio_activations",
+                "load_average", "seconds", "error")}), file=sys.stderr, flush=True)
+    return results
+
+
+def calibrated_activations_gib(result: dict, full_layers: dict,
+                               kept_layers: Optional[dict] = None) -> float:
+    """The plan's recompute and peak formulas (stage_activation_bytes) applied to what the CPU
+    layers measurably save, which separates the recompute accounting from the per-layer model.
+    `full_layers`: a recompute=none run (each layer's full activations); `kept_layers`: for
+    selective, a selective run (what each layer keeps; while a layer's backward runs its
+    recomputed mixer holds the full activations again). End of forward: kept + the head's saved
+    tensors + the BF16 logits alive next to their FP32 copy."""
+    from .config import LAYER_SYMBOLS
+    from .recompute import RecomputeConfig
+
+    c = result["config"]
+    kinds = [LAYER_SYMBOLS[ch] for ch in c["pattern"]]
+    full = [full_layers["saved_per_layer_mib"][k] * 2**20 for k in kinds]
+    tokens = c["micro_batch_size"] * c["seq_length"]
+    head = full_layers["saved_head_mib"] * 2**20 + tokens * c["vocab_size"] * BYTES_ACTIVATION
+    if kept_layers is not None:  # selective: every layer a one-layer "chunk" keeping this much
+        kept = [kept_layers["saved_per_layer_mib"][k] * 2**20 for k in kinds]
+        peak = max(sum(kept[:i]) + full[i] for i in range(len(kinds)))
+        return max(sum(kept) + head, peak) / GIB
+    granularity, method, layers = parse_recompute(c["recompute"])
+    acts = stage_activation_bytes(full, tokens * c["hidden_size"] * BYTES_ACTIVATION,
+                                  RecomputeConfig(granularity, method, layers))
+    return max(acts["kept"] + head, acts["recompute_peak"]) / GIB
+
+
+def summary_table(results: list[dict]) -> str:
+    """Markdown: per setting, planned and measured (median over repeats) and their ratios."""
+    rows = ["| recompute | static: planned / measured | ratio | peak: planned / measured "
+            "(min-max) | ratio | activations: planned / measured | ratio | plan formulas on "
+            "the measured layers | ratio | runs |", "|---|" + "---:|" * 9]
+    ok_runs = [r for r in results if "error" not in r]
+    for setting in dict.fromkeys(r["setting"] for r in results):
+        ok = [r for r in ok_runs if r["setting"] == setting]
+        if not ok:
+            err = next(r["error"] for r in results if r["setting"] == setting)
+            rows.append(f"| {setting} | failed: {err.splitlines()[-1][:120]} |" + " |" * 8)
+            continue
+
+        def med(key, runs=ok):
+            return statistics.median(r[key] for r in runs)
+
+        nones = [r for r in ok_runs if r["setting"] == "none"]
+        calibrated = "-", "-"
+        if nones:
+            kept = None
+            if setting == "selective":
+                kept = min(ok, key=lambda r: r["repeat"])
+            cal = calibrated_activations_gib(ok[0], min(nones, key=lambda r: r["repeat"]), kept)
+            calibrated = f"{cal:.3f}", f"**{med('measured_activations_gib') / cal:.2f}**"
+        peaks = [r["measured_peak_gib"] for r in ok]
+        rows.append(
+            f"| {setting} | {ok[0]['planned_static_gib']:.3f} / {med('measured_static_gib'):.3f} "
+            f"| **{med('ratio_static'):.2f}** | {ok[0]['planned_gib']:.3f} / "
+            f"{med('measured_peak_gib'):.3f} ({min(peaks):.3f}-{max(peaks):.3f}) | "
+            f"**{med('ratio_peak'):.2f}** | {ok[0]['planned_activations_gib']:.3f} / "
+            f"{med('measured_activations_gib'):.3f} | **{med('ratio_activations'):.2f}** | "
+            f"{calibrated[0]} | {calibrated[1]} | {len(ok)} |")
+    return "\n".join(rows)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m model.plan",
         description="Validate the memory plan against a short CPU training run "
                     "(plans of real runs: python train.py run.dry_run=true ...).")
     parser.add_argument("--measure", action="store_true", help="run the CPU measurement")
+    parser.add_argument("--recompute", default="none",
+                        help="none | selective | full[:uniform|block[:N]]; a comma-separated "
+                             "list measures each in its own process, interleaved over --repeats")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write every run's result here")
     args = parser.parse_args(argv)
     if not args.measure:
         parser.print_help()
         return 2
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        # glibc keeps freed heap memory in its arenas, so RSS would not fall when tensors are
-        # freed; with a fixed 64 KiB mmap threshold every tensor buffer above it is its own
-        # mapping, returned to the kernel on free, and RSS follows the live tensor bytes.
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    settings = args.recompute.split(",")
+    for setting in settings:
+        parse_recompute(setting)  # a bad setting fails here, not in a subprocess
+    if len(settings) > 1 or args.repeats > 1:
+        passed = ["--steps", str(args.steps), "--micro-batches", str(args.micro_batches),
+                  "--micro-batch-size", str(args.micro_batch_size), "--seq-length",
+                  str(args.seq_length)]
+        if args.hidden_size is not None:
+            passed += ["--hidden-size", str(args.hidden_size)]
+        results = measure_settings(settings, args.repeats, passed)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(summary_table(results))
+        return 1 if any("error" in r for r in results) else 0
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         argv = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, "-m", "model.plan", *argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", "model.plan", *argv],
+                  {**os.environ, **MALLOC_ENV})
     result = measure(steps=args.steps, micro_batches=args.micro_batches,
                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                     hidden_size=args.hidden_size)
+                     hidden_size=args.hidden_size, recompute=args.recompute)
     json.dump(result, sys.stdout, indent=1)
     print()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

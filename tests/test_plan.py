@@ -4,6 +4,7 @@ formulas, and plan.json. Everything builds on the meta device: seconds even at 1
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -15,7 +16,7 @@ for _p in (_ROOT, _TESTS):
     if _p not in sys.path:  # the repo is not installed into the venv
         sys.path.insert(0, _p)
 
-from plan_fixtures import REPO, plan_process_group, train_config  # noqa: E402,F401
+from plan_fixtures import REPO, model_config, plan_process_group, train_config  # noqa: E402,F401
 
 from model.plan import (  # noqa: E402
     PlanConfig,
@@ -96,67 +97,181 @@ def test_bf16_and_fp8_plans(plan_process_group):
 # -- memory -------------------------------------------------------------------------------------
 
 
-def test_memory_scales_with_tensor_parallel(plan_process_group, plan_12b_nvfp4):
+def elements_12b(kind: str, t: int, sp: bool) -> float:
+    """Hand count of the BF16 activation elements per token one 12B layer keeps (model/plan.py):
+    the h-wide norm input and first-linear input are / t only with sequence parallelism."""
+    h = 2 * H_12B / (t if sp else 1)
+    inner = {"mamba": (2 * 10240 + 2 * 8 * 128 + 128) + (10240 + 2 * 8 * 128) + 10240 + 10240,
+             "attention": (40 + 2 * 8) * 128 + 40 * 128,
+             "mlp": 2 * 20480}[kind]
+    return h + inner / t
+
+
+def test_memory_scales_with_tensor_parallel(plan_process_group):
     kw = dict(seq_length=8192, micro_batch_size=1, global_batch_size=8)
-    t1 = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=1, **kw))
-    t4 = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=4, **kw))
+    t1 = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=1, **kw),
+                    PlanConfig(backend="te"))
+    t4 = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=4, **kw),
+                    PlanConfig(backend="te"))
     # Weights: TP-sharded parameters exactly / 4, the replicated norms whole.
     assert t1["parameters_per_rank"] == P_12B
     assert t4["parameters_per_rank"] == (P_12B - REPLICATED_12B) // 4 + REPLICATED_12B
     assert (P_12B - REPLICATED_12B) % 4 == 0
     m1, m4 = t1["memory"], t4["memory"]
-    for key in ("weights_fp32_gib", "grads_fp32_gib", "adam_fp32_gib"):
-        assert m4[key] == pytest.approx(m1[key] / 4, rel=1e-4)
-    assert m1["weights_fp32_gib"] == pytest.approx(4 * P_12B / 2**30, abs=1e-3)
-    assert m1["adam_fp32_gib"] == pytest.approx(8 * P_12B / 2**30, abs=1e-3)
-    # BF16 copies: GEMM weights only (linears + output layer), all TP-sharded.
-    assert m1["weights_bf16_working_gib"] == pytest.approx(2 * t1["gemm_parameters"] / 2**30,
-                                                           abs=2e-3)
-    assert m4["weights_bf16_working_gib"] == pytest.approx(m1["weights_bf16_working_gib"] / 4,
-                                                           abs=2e-3)
-    # Activations: every term but the h-wide replicated ones (norm in, first linear in) / 4.
-    for kind, per_token_1 in (("mlp", 2 * H_12B + 2 * 20480), ("attention",
-                              2 * H_12B + (40 + 16) * 128 + 40 * 128)):
-        b1 = per_token_1 * 8192 * 2 / 2**30
-        assert m1["activations_per_layer_gib"][kind] == pytest.approx(b1, abs=1e-3)
-        b4 = (2 * H_12B + (per_token_1 - 2 * H_12B) / 4) * 8192 * 2 / 2**30
-        assert m4["activations_per_layer_gib"][kind] == pytest.approx(b4, abs=1e-3)
-    assert m4["logits_gib"] == pytest.approx(m1["logits_gib"] / 4, abs=1e-3)
+    # megatron's 18 B/param without the distributed optimizer: BF16 weights 2, FP32 grads 4,
+    # FP32 master + Adam 12 (theoretical_memory_usage.py:293-296).
+    assert m1["weights_bf16_gib"] == pytest.approx(2 * P_12B / 2**30, abs=1e-3)
+    assert m1["main_grads_fp32_gib"] == pytest.approx(4 * P_12B / 2**30, abs=1e-3)
+    assert m1["optimizer_fp32_gib"] == pytest.approx(12 * P_12B / 2**30, abs=1e-3)
+    for key in ("weights_bf16_gib", "main_grads_fp32_gib", "optimizer_fp32_gib",
+                "te_weight_cache_gib", "logits_gib"):
+        assert m4[key] == pytest.approx(m1[key] / 4, rel=2e-3), key
+    # Without sequence parallelism only the TP-sharded activations are / 4.
+    assert not m4["sequence_parallel"]
+    for kind in ("mamba", "attention", "mlp"):
+        for plan, t in ((t1, 1), (t4, 4)):
+            expected = elements_12b(kind, t, sp=False) * 8192 * 2 / 2**30
+            assert plan["memory"]["activations_per_layer_gib"][kind] == pytest.approx(
+                expected, abs=1e-3), (kind, t)
     assert t4["memory_per_rank_gib"] < t1["memory_per_rank_gib"] / 3
-    # The 10T plan fits a GB200 (186 GB = 173 GiB) at TP=4 and has the documented breakdown.
-    plan = plan_12b_nvfp4
+
+
+def test_sequence_parallel_divides_every_activation(plan_process_group):
+    """Korthikanti et al. 2022: with sequence parallelism the norm inputs and the first linear's
+    input are sharded over the TP ranks too, so every activation term is / t."""
+    kw = dict(tensor=4, seq_length=8192, micro_batch_size=1, global_batch_size=8)
+    plain = build_plan(train_config("nemotron_h_12b", nvfp4(), **kw), PlanConfig(backend="te"))
+    cfg = train_config("nemotron_h_12b", nvfp4(), **kw)
+    cfg.parallel.sequence = True
+    sp = build_plan(cfg, PlanConfig(backend="te"))
+    assert sp["memory"]["sequence_parallel"]
+    for kind in ("mamba", "attention", "mlp"):
+        expected = elements_12b(kind, 4, sp=True) * 8192 * 2 / 2**30
+        assert sp["memory"]["activations_per_layer_gib"][kind] == pytest.approx(expected,
+                                                                                abs=1e-3)
+    # 62 layers x 2h x (1 - 1/4) x 8192 tokens x 2 B saved on the layers, and the final-norm /
+    # output-layer inputs (2h) likewise; static memory unchanged.
+    saved = (62 + 1) * 2 * H_12B * 0.75 * 8192 * 2 / 2**30
+    assert plain["memory"]["activations_gib"] - sp["memory"]["activations_gib"] == \
+        pytest.approx(saved, abs=2e-3)
+    assert sp["memory"]["static_gib"] == plain["memory"]["static_gib"]
+    # At tensor 1 sequence parallelism changes nothing (megatron turns it off there).
+    one = train_config("nemotron_h_12b", nvfp4(), tensor=1, seq_length=8192, micro_batch_size=1)
+    one.parallel.sequence = True
+    assert not build_plan(one)["memory"]["sequence_parallel"]
+
+
+def test_12b_paper_layout_every_term(plan_process_group):
+    """The experiment recipe as Hydra composes it (tensor 4 + sequence parallel + distributed
+    optimizer over 184 data-parallel ranks, TE GEMMs): each term of the per-rank plan by hand."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from training.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="train",
+                                          overrides=["experiment=nemotron_h_12b_nvfp4_10t"]))
+    assert (cfg.parallel.tensor, cfg.parallel.sequence, cfg.trainer.distributed_optimizer,
+            cfg.trainer.recompute, cfg.plan.gpus, cfg.plan.backend) == (4, True, True, "none",
+                                                                        736, "te")
+    plan = build_plan(cfg)
     mem = plan["memory"]
-    static = (mem["weights_fp32_gib"] + mem["grads_fp32_gib"] + mem["adam_fp32_gib"]
-              + mem["weights_bf16_working_gib"])
+    pr = (P_12B - REPLICATED_12B) // 4 + REPLICATED_12B
+    gib = 2**30
+    assert mem["weights_bf16_gib"] == pytest.approx(2 * pr / gib, abs=1e-3)
+    assert mem["main_grads_fp32_gib"] == pytest.approx(4 * pr / gib, abs=1e-3)
+    # 12 B over the 184 data-parallel ranks: 0.19 GiB instead of 34.4.
+    assert mem["optimizer_fp32_gib"] == pytest.approx(12 * math.ceil(pr / 184) / gib, abs=1e-3)
+    # TE's NVFP4 weight copies: 23 Mamba + 23 MLP + 6 attention layers are NVFP4 (2-53), each
+    # weight element 2 x (0.5 + 1/16) B (row- and column-wise FP4 + E4M3 block scales), / 4.
+    nvfp4_weights = (23 * (115_998_720 + 10_240 * 5_120) + 23 * 2 * 5_120 * 20_480
+                     + 6 * (5_120 * 7_168 + 5_120 * 5_120))
+    assert mem["te_weight_cache_gib"] == pytest.approx(nvfp4_weights / 4 * 1.125 / gib, abs=1e-3)
+    # Activations, one micro-batch in flight (pipeline 1): every layer + the final-norm and
+    # output-layer inputs, all / 4; logits 8192 x 131072 / 4 x (2 B BF16 + 4 B FP32).
+    per_token = (28 * elements_12b("mamba", 4, True) + 28 * elements_12b("mlp", 4, True)
+                 + 6 * elements_12b("attention", 4, True) + 2 * H_12B / 4)
+    assert mem["activations_gib"] == pytest.approx(per_token * 8192 * 2 / gib, abs=2e-3)
+    assert mem["logits_gib"] == pytest.approx(8192 * 131072 / 4 * 6 / gib, abs=1e-3)
+    assert mem["transient_gib"] == 0  # TE's FusedAdam steps in place
+    assert mem["peak_phase"] == "end of forward"
     assert plan["memory_per_rank_gib"] == pytest.approx(
-        static + max(mem["activations_gib"] + mem["logits_gib"], mem["transient_gib"]), abs=0.01)
-    assert 60 < plan["memory_per_rank_gib"] < 173
+        mem["static_gib"] + mem["activations_gib"] + mem["logits_gib"], abs=0.01)
+    assert 30 < plan["memory_per_rank_gib"] < 40  # 34.3 GiB: the README and the recipe say so
+
+
+def test_recompute_accounting_by_hand():
+    """Five layers of 10..50 bytes, an input of 1 byte: what each split keeps and its peak."""
+    from model.plan import stage_activation_bytes
+    from model.recompute import RecomputeConfig
+
+    layers = [10, 20, 30, 40, 50]
+    assert stage_activation_bytes(layers, 1, RecomputeConfig("none")) == {
+        "kept": 150, "recompute_peak": 0}
+    # Selective changes nothing here: the counted kernels keep only their inputs already.
+    assert stage_activation_bytes(layers, 1, RecomputeConfig("selective")) == {
+        "kept": 150, "recompute_peak": 0}
+    # uniform 2: chunks [0,2) [2,4) [4,5) keep 1 byte each; chunk [2,4)'s backward holds the
+    # input of chunk [0,2) + its own 30 + 40: 71 (the last chunk: 2 + 50 = 52).
+    assert stage_activation_bytes(layers, 1, RecomputeConfig("full", "uniform", 2)) == {
+        "kept": 3, "recompute_peak": 71}
+    # block 2: layers 0 and 1 keep their inputs, 2-4 everything (120); by the time layer 1 is
+    # recomputed the later layers are freed: 1 (layer 0's input) + 20.
+    assert stage_activation_bytes(layers, 1, RecomputeConfig("full", "block", 2)) == {
+        "kept": 122, "recompute_peak": 21}
 
 
 def test_recompute_pipeline_and_data_parallel(plan_process_group):
     kw = dict(seq_length=8192, micro_batch_size=1, global_batch_size=16)
     cfg = train_config("nemotron_h_12b", nvfp4(), tensor=4, **kw)
-    plain = build_plan(cfg, PlanConfig())
-    recompute = build_plan(cfg, PlanConfig(activation_recompute=True))
-    # Recompute keeps each layer's input (h x s x 2 B) plus one full layer (the largest, Mamba).
-    kept = 62 * H_12B * 8192 * 2 / 2**30 + plain["memory"]["activations_per_layer_gib"]["mamba"]
-    assert recompute["memory"]["activations_gib"] == pytest.approx(kept, abs=2e-3)
-    assert recompute["memory"]["activations_gib"] < plain["memory"]["activations_gib"] / 3
-    # Data parallel adds the flattened FP32 gradient buffer to the optimizer-step transient.
-    dp = build_plan(cfg, PlanConfig(gpus=8))
-    assert dp["time"]["data"] == 2
-    assert dp["memory"]["transient_gib"] == pytest.approx(2 * plain["memory"]["transient_gib"],
-                                                          abs=2e-3)
+    plain = build_plan(cfg, PlanConfig(backend="te"))
+    cfg.trainer.recompute = "full"  # uniform, 1 layer per chunk
+    full = build_plan(cfg, PlanConfig(backend="te"))
+    mem, per_layer = full["memory"], plain["memory"]["activations_per_layer_gib"]
+    layer_input = 8192 * H_12B * 2 / 2**30
+    # Kept: each of the 62 layers' input + the final-norm / output-layer inputs (2 h).
+    assert mem["activations_gib"] == pytest.approx(64 * layer_input, abs=2e-3)
+    # The most alive during a layer's recompute: the inputs of the layers before it + its full
+    # activations. Layer 61 (MLP, 2h + 2f/4 = 20,480 per token) with 61 inputs beats layer 60
+    # (Mamba, 24,096) with 60: 61 x 0.078 + 0.3125 = 5.078 GiB.
+    assert per_layer["mlp"] + layer_input > per_layer["mamba"]
+    assert mem["recompute_peak_gib"] == pytest.approx(61 * layer_input + per_layer["mlp"],
+                                                      abs=2e-3)
+    assert mem["activations_gib"] < plain["memory"]["activations_gib"] / 3
+    assert full["memory_per_rank_gib"] < plain["memory_per_rank_gib"]
+    # The emulated backend's optimizer step: torch's foreach AdamW allocates 4 B per optimizer
+    # element; the distributed optimizer divides those elements by the data-parallel size.
+    emu = build_plan(cfg, PlanConfig(gpus=8, backend="emulated"))
+    pr = emu["memory"]["parameters_per_rank"]
+    assert emu["memory"]["transient_gib"] == pytest.approx(4 * pr / 2**30, abs=1e-3)
+    cfg.trainer.distributed_optimizer = True
+    sharded = build_plan(cfg, PlanConfig(gpus=8, backend="emulated"))
+    assert sharded["memory"]["optimizer_sharded_over"] == 2
+    assert sharded["memory"]["transient_gib"] == pytest.approx(4 * pr / 2 / 2**30, abs=1e-3)
+    assert sharded["memory"]["optimizer_fp32_gib"] == pytest.approx(12 * pr / 2 / 2**30, abs=1e-3)
+    # The emulated NVFP4 linears save their quantized BF16 weight for Dgrad, per micro-batch:
+    # 2 B x the 9,074,769,920 NVFP4 GEMM weights (test_12b_paper_layout_every_term) / 4.
+    cfg.trainer.recompute = "none"
+    emu = build_plan(cfg, PlanConfig(backend="emulated"))
+    assert emu["memory"]["activations_gib"] - plain["memory"]["activations_gib"] == \
+        pytest.approx(2 * 9_074_769_920 / 4 / 2**30, abs=2e-3)
+    assert emu["memory"]["te_weight_cache_gib"] == 0
     # Pipeline 2 (62 layers split 31/31): the first stage holds 2 micro-batches in flight.
     pp = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=4, pipeline=2, **kw))
     stages = pp["memory"]["stages"]
     assert [s["layers"] for s in stages] == [[0, 30], [31, 61]]
     assert [s["in_flight_micro_batches"] for s in stages] == [2, 1]
+    assert stages[0]["activation_bytes"] == 2 * stages[0]["kept_per_micro_batch_bytes"]
     assert pp["parameters_per_rank"] < plain["parameters_per_rank"] * 0.6
     with pytest.raises(ValueError, match="plan.gpus"):
         build_plan(cfg, PlanConfig(gpus=6))
     with pytest.raises(ValueError, match="global_batch_size"):
         build_plan(cfg, PlanConfig(gpus=4 * 32))
+    with pytest.raises(ValueError, match="trainer.recompute"):
+        cfg.trainer.recompute = "layers"
+        build_plan(cfg)
 
 
 def test_pipeline_stages_mirror_megatron():
@@ -171,6 +286,28 @@ def test_pipeline_stages_mirror_megatron():
 # -- FLOPs and time -----------------------------------------------------------------------------
 
 
+def test_flops_hand_count_of_a_tiny_model():
+    """model/flops.py against a count by hand: pattern M*-, h 16, f 32, 2 query heads / 1 KV
+    head of 8, 4 Mamba heads of 8 (d_inner 32), state 4, 2 groups, chunk 8, vocab 128, s 64."""
+    from model.config import ModelConfig
+    from model.flops import flops_per_token, flops_per_token_terms
+
+    m = ModelConfig(pattern="M*-", hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                    num_query_groups=1, kv_channels=8, mamba_num_heads=4, mamba_head_dim=8,
+                    mamba_state_dim=4, mamba_num_groups=2, mamba_chunk_size=8)
+    # GEMM weights: Mamba in_proj 16 x (2*32 + 2*2*4 + 4) = 1344, out_proj 32 x 16 = 512;
+    # attention qkv 16 x (16 + 2*8) = 512, proj 16 x 16 = 256; MLP 2 x 16 x 32 = 1024;
+    # output layer 16 x 128 = 2048. Sum 5696, x 6 = 34,176.
+    # Attention: 6 x 2 heads x 8 x 64 = 6,144.
+    # SSD scan: 3 x [2*2*8*4 (C B^T) + 4 x (2*8*8 (scores x) + 4*4*8 (states, read-out))]
+    #         = 3 x (128 + 4 x 256) = 3,456.
+    # conv1d: 3 x 2 x 4 x (32 + 2*2*4) = 1,152.
+    assert flops_per_token_terms(m, 64, 128) == {"gemm": 34_176.0, "attention": 6_144.0,
+                                                 "ssd_scan": 3_456.0, "conv1d": 1_152.0,
+                                                 "total": 44_928.0}
+    assert flops_per_token(m, 64, 128) == 44_928.0
+
+
 def test_12b_flops_and_time(plan_12b_nvfp4):
     plan = plan_12b_nvfp4
     ratio = plan["flops_per_token"] / (6 * P_12B)
@@ -181,6 +318,13 @@ def test_12b_flops_and_time(plan_12b_nvfp4):
     assert plan["flops"]["gemm_per_token"] == 6 * plan["gemm_parameters"]
     assert plan["gemm_parameters"] == P_12B - plan["embedding_parameters"] - 28 * (
         12_288 * 5 + 3 * 128 + 10_240 + 5_120) - 34 * 5_120 - 5_120
+    # 6 attention layers x 6 x 40 heads x 128 x 8192.
+    assert plan["flops"]["attention_per_token"] == 6 * 6 * 40 * 128 * 8192
+    # The bench's MFU counts the same FLOPs (one function, model/flops.py).
+    from launch.bench import flops_per_token as bench_flops_per_token
+
+    assert bench_flops_per_token(model_config("nemotron_h_12b"), 8192, 131072) == \
+        plan["flops_per_token"]
     tm = plan["time"]
     assert tm["gpus"] == 736 and tm["data"] == 184
     expected = plan["flops_per_token"] * 1e13 / (736 * 2500e12 * 0.4)
@@ -267,3 +411,53 @@ def test_experiment_recipe_matches_the_schemas():
     assert tr.global_batch_size % (tr.micro_batch_size * merged["plan"].gpus
                                    // merged["parallel"].tensor) == 0
     assert merged["precision"].switch_to_bf16.at_fraction == 0.82
+
+
+# -- the CPU measurement's helpers (python -m model.plan --measure) -------------------------------
+
+
+def test_saved_activation_bytes_counts_each_storage_once():
+    """Layer 0 (a linear on a 3 x 4 FP32 input) saves its input, 48 B; layer 1 (ReLU) its 3 x 8
+    output, 96 B; the head's linear saves that same output again (not counted twice) and its
+    weight (a parameter, not counted); the loss's square saves the 3 x 2 output, 24 B."""
+    import torch
+
+    from model.plan import saved_activation_bytes
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 8, bias=False),
+                                               torch.nn.ReLU()])
+            self.head = torch.nn.Linear(8, 2, bias=False)
+
+        def forward(self, tokens, _a, _b, labels):
+            for layer in self.layers:
+                tokens = layer(tokens)
+            return (self.head(tokens) ** 2).sum()
+
+    saved = saved_activation_bytes(Tiny(), ["mlp", "mamba"],
+                                   {"tokens": torch.randn(3, 4), "labels": None})
+    assert saved == {"per_layer_by_kind": {"mlp": 48, "mamba": 96}, "head": 24, "total": 168}
+
+
+def test_calibrated_activations_apply_the_plan_formulas():
+    """Pattern M- saving 2 and 1 MiB, head 0.5 MiB, 1 x 4 tokens of h 8 (a layer input 64 B),
+    vocabulary 16 (BF16 logits 128 B)."""
+    from model.plan import calibrated_activations_gib
+
+    mib, gib = 2**20, 2**30
+    none = {"saved_per_layer_mib": {"mamba": 2.0, "mlp": 1.0}, "saved_head_mib": 0.5}
+
+    def result(recompute):
+        return {"config": {"pattern": "M-", "micro_batch_size": 1, "seq_length": 4,
+                           "hidden_size": 8, "vocab_size": 16, "recompute": recompute}}
+
+    # none: both layers kept + the head at the end of the forward.
+    assert calibrated_activations_gib(result("none"), none) * gib == 3.5 * mib + 128
+    # full: the layers keep 64 B inputs; recomputing the Mamba layer holds its 2 MiB.
+    assert calibrated_activations_gib(result("full"), none) * gib == 2 * mib
+    # selective keeping 0.25 MiB of the Mamba layer: kept 1.25 + head 0.5 MiB + 128 B is less
+    # than the 2 MiB the Mamba layer holds again while its backward runs.
+    sel = {"saved_per_layer_mib": {"mamba": 0.25, "mlp": 1.0}}
+    assert calibrated_activations_gib(result("selective"), none, sel) * gib == 2 * mib
