@@ -33,17 +33,21 @@ import torch
 
 from nvfp4_recipe.parts import PartTimer, part
 
-VARIANTS = {  # name -> (format, PrecisionConfig field overrides)
-    "bf16": ("bf16", {}),
-    "nvfp4": ("nvfp4", {}),
-    "nvfp4-no-sr": ("nvfp4", {"stochastic_rounding": False}),
-    "nvfp4-no-rht": ("nvfp4", {"rht": False}),
-    "nvfp4-1x16-weights": ("nvfp4", {"weight_2d": False}),
+VARIANTS = {  # name -> (format, PrecisionConfig field overrides, trainer.recompute)
+    "bf16": ("bf16", {}, "none"),
+    "nvfp4": ("nvfp4", {}, "none"),
+    "nvfp4-no-sr": ("nvfp4", {"stochastic_rounding": False}, "none"),
+    "nvfp4-no-rht": ("nvfp4", {"rht": False}, "none"),
+    "nvfp4-1x16-weights": ("nvfp4", {"weight_2d": False}, "none"),
+    "bf16-recompute-selective": ("bf16", {}, "selective"),
+    "bf16-recompute-full": ("bf16", {}, "full"),
 }
+DEFAULT_VARIANTS = ("bf16", "nvfp4", "nvfp4-no-sr", "nvfp4-no-rht", "nvfp4-1x16-weights")
 
 
-def demo_model_config():
-    """recipes/model/demo.yaml as the trainer reads it, with the demo tokenizer's vocabulary."""
+def demo_model_config(hidden_size: int | None = None):
+    """recipes/model/demo.yaml as the trainer reads it, with the demo tokenizer's vocabulary
+    (and another hidden size, for a larger CPU config)."""
     from omegaconf import OmegaConf
 
     from model.config import ModelConfig
@@ -53,21 +57,24 @@ def demo_model_config():
     raw.pop("defaults", None)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
     cfg.vocab_size = cfg.vocab_size or 4096
+    cfg.hidden_size = hidden_size or cfg.hidden_size
+    cfg.validate()
     return cfg
 
 
-def _demo_setup(variant: str, ctx):
+def _demo_setup(variant: str, ctx, hidden_size: int | None):
     from model.build import build_model
+    from model.recompute import RecomputeConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
     from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
 
     torch.manual_seed(0)
-    cfg = demo_model_config()
-    fmt, overrides = VARIANTS[variant]
+    cfg = demo_model_config(hidden_size)
+    fmt, overrides, recompute = VARIANTS[variant]
     precision = dataclasses.replace(PrecisionConfig(name=fmt, format=fmt), **overrides)
     core = build_model(cfg, precision, vocab_size=cfg.vocab_size, backend="emulated",
-                       params_dtype=PARAMS_DTYPE).module
+                       params_dtype=PARAMS_DTYPE, recompute=RecomputeConfig(recompute)).module
     model, optimizer = build_data_parallel_model(core, TrainerConfig(), ctx)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
@@ -91,12 +98,12 @@ def _step(core, model, optimizer, batches, hidden, ctx) -> None:
         optimizer.step_with_ready_grads()
 
 
-def profile(variants: list[str], steps: int, repeats: int) -> dict:
+def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | None = None) -> dict:
     from training.distributed import init_distributed, shutdown
 
     ctx = init_distributed(1, 1, "gloo")
     try:
-        setups = {v: _demo_setup(v, ctx) for v in variants}
+        setups = {v: _demo_setup(v, ctx, hidden_size) for v in variants}
         for v in variants:  # warm-up: compiled kernels, allocator
             for _ in range(2):
                 _step(*setups[v], ctx)
@@ -121,7 +128,7 @@ def profile(variants: list[str], steps: int, repeats: int) -> dict:
             "parts_s": {v: {name: statistics.median(x) for name, x in p.items()}
                         for v, p in parts.items()},
             "load_start": load_start, "load_end": load_end, "steps": steps, "repeats": repeats,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "hidden_size": setups[variants[0]][4]}
 
 
 def report(result: dict) -> str:
@@ -138,8 +145,9 @@ def report(result: dict) -> str:
         f"torch {torch.__version__}, {result['threads']} threads. Load average (1/5/15 min) at "
         f"start {' '.join(result['load_start'])}, at end {' '.join(result['load_end'])}.",
         "",
-        "Produced by `python -m launch.profile_step` (method in its docstring): medians of "
-        f"{result['repeats']} interleaved rounds of {result['steps']} steps per variant.",
+        "Produced by `python -m launch.profile_step` (method in its docstring): demo model at "
+        f"hidden size {result['hidden_size']}, medians of {result['repeats']} interleaved rounds "
+        f"of {result['steps']} steps per variant.",
         "",
         f"| variant | step (median) | vs {variants[0]} |",
         "|---|---:|---:|",
@@ -164,8 +172,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="the demo model at another hidden size (a larger CPU config)")
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -173,7 +183,7 @@ def main(argv=None) -> int:
     if bad or not variants or args.steps < 1 or args.repeats < 1:
         parser.error(f"unknown --variants {bad} (choose from {list(VARIANTS)}); --steps and "
                      "--repeats must be >= 1")
-    text = report(profile(variants, args.steps, args.repeats))
+    text = report(profile(variants, args.steps, args.repeats, args.hidden_size))
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -847,30 +847,14 @@ def measure_config(*, steps: int = 2, micro_batches: int = 2, micro_batch_size: 
     return cfg
 
 
-def recompute_supported() -> tuple[bool, str]:
-    """Whether the model takes the trainer's recompute setting yet (build_model(recompute=...))."""
-    import inspect
-
-    from .build import build_model
-
-    if "recompute" in inspect.signature(build_model).parameters:
-        return True, ""
-    return False, "model.build.build_model takes no recompute= argument yet"
-
-
 def _build_like_trainer(cfg, vocab: int, ctx):
     """Model, data-parallel wrapper and optimizer as training/trainer.py builds them."""
     from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
 
     from .build import build_model
 
-    rc = recompute_config_of(cfg.trainer)
-    ok, why = recompute_supported()
-    if not ok and rc.granularity != "none":
-        raise RuntimeError(f"cannot measure trainer.recompute={rc.granularity}: {why}")
-    kwargs = {"recompute": rc} if ok else {}
     built = build_model(cfg.model, cfg.precision, vocab_size=vocab, backend="emulated",
-                        params_dtype=PARAMS_DTYPE, **kwargs)
+                        params_dtype=PARAMS_DTYPE, recompute=recompute_config_of(cfg.trainer))
     model, optimizer = build_data_parallel_model(built.module, cfg.trainer, ctx)
     return model, optimizer
 
