@@ -40,6 +40,10 @@ class ModelConfig:
     # else the portable spec; portable: always (GEMMs emulated); te: the TE spec or a ValueError.
     # Decided by model/backend.py.
     spec: str = "auto"
+    # Continued pretraining: a Hugging Face NemotronH directory (config.json + *.safetensors) whose
+    # weights a new run starts from instead of a random init, at any TP/PP (model/hf.py). Its
+    # config.json must match the fields above; a run that has checkpoints resumes from them.
+    init_from: Optional[str] = None
 
     def validate(self) -> None:
         for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -81,6 +85,13 @@ class ModelConfig:
             )
         if self.spec not in ("auto", "portable", "te"):
             raise ValueError(f"model.spec={self.spec!r}: choose auto, portable or te")
+        if self.init_from is not None:
+            if not str(self.init_from).strip():
+                raise ValueError("model.init_from='' : give a Hugging Face model directory, "
+                                 "or null for a random init")
+            from .hf import check_init_from  # reads config.json and the file list only
+
+            check_init_from(self)
 
     @property
     def num_layers(self) -> int:

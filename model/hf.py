@@ -1,0 +1,743 @@
+"""Hugging Face interoperability: this project's hybrid <-> transformers' `NemotronHForCausalLM`.
+
+    python -m model.hf export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
+    train.py model.init_from=/path/to/hf_dir ...      (continued pretraining, any TP/PP)
+
+Export reads a run's megatron distributed checkpoint (written at any tensor/pipeline layout:
+every tensor is stored with its global shape, so torch's checkpoint reader assembles the full
+tensors on one CPU process), strips the vocabulary padding, splits the fused projections into
+transformers' layout and writes, atomically (a temporary directory renamed into place):
+config.json, generation_config.json, model.safetensors (sharded with an index above
+--max-shard-size) and the tokenizer files. `AutoModelForCausalLM.from_pretrained(DIR)` loads it
+with no custom code. Import checks the directory's config.json field by field against
+`model.*`, reads safetensors only (never a pickle), and copies each tensor into the rank's shard
+of the freshly built model through megatron's own sharded-state-dict description of it.
+
+The one numerical difference and how the export removes it: transformers' Mamba mixer clamps the
+step size from below, `dt = clamp(softplus(dt + dt_bias), min=time_step_limit[0])`
+(transformers 5.24.0 models/nemotron_h/modeling_nemotron_h.py:296), with
+`time_step_limit = (config.time_step_min, inf)` (:415; the config's own `time_step_limit` field is
+not read), time_step_min defaulting to 0.001 (configuration_nemotron_h.py:124). megatron-core and
+this project (model/ssd.py) do not clamp. The export writes time_step_min = 5e-324, the smallest
+positive double: cast to the float32/bfloat16 dt it is 0, and softplus is >= 0, so the clamp is
+the identity. (0.0 itself would make transformers' dt initialisation, math.log(time_step_min) at
+modeling_nemotron_h.py:1032-1033, fail whenever a model is built from the config.) The one-token
+decode step never clamps (mamba2_selective_state_update, :211-270).
+
+Layouts (megatron checkpoint key -> transformers parameter; i = pattern index):
+    embedding.word_embeddings.weight [V_pad, h]      model.embeddings.weight [V, h]
+    decoder.layers.i.norm / input_layernorm / pre_mlp_layernorm.weight
+                                                     model.layers.i.norm.weight
+    ...mixer.in_proj.weight.{z,x,B,C,dt}             model.layers.i.mixer.in_proj.weight (rows
+                                                     concatenated in that order)
+    ...mixer.conv1d.{weight,bias}.{x,B,C}            ...mixer.conv1d.{weight,bias}
+    ...mixer.{dt_bias,A_log,D,norm.weight,out_proj.weight}   the same names
+    ...self_attention.linear_qkv.weight: per query group g, [q heads of g, k_g, v_g]
+                                                     ...mixer.{q,k,v}_proj.weight
+    ...self_attention.linear_proj.weight             ...mixer.o_proj.weight
+    ...mlp.linear_fc1 / linear_fc2.weight            ...mixer.up_proj / down_proj.weight
+    decoder.final_norm.weight                        model.norm_f.weight
+    output_layer.weight [V_pad, h]                   lm_head.weight [V, h]
+transformers 5 saves the `model.` prefix as `backbone.` (its conversion_mapping.py renames
+`backbone.` -> `model.` on load, as NVIDIA's published checkpoints are named); both are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from .config import ModelConfig
+
+log = logging.getLogger("nvfp4_pretrain")
+
+ARCHITECTURE = "NemotronHForCausalLM"
+MODEL_TYPE = "nemotron_h"
+# transformers' names of the layer kinds (configuration_nemotron_h.py:274-281).
+HF_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
+HF_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E",
+              "mamba": "M", "attention": "*"}  # the last two: 5.10.4's names (and earlier)
+# See the module docstring: the float32/bfloat16 clamp floor this rounds to is 0.
+NO_STEP_SIZE_CLAMP = 5e-324
+# The megatron mixer's fixed settings this project builds (model/mamba_mixer.py defaults).
+CONV_KERNEL = 4
+DT_MAX, DT_INIT_FLOOR = 0.1, 1e-4
+# The top-level modules of megatron's hybrid model: their keys are the model's weights.
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+# Weight files that are pickles: never opened.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Exit codes (the trainer's, README "Exit codes"): 2 bad value, 3 missing file, 6 bad checkpoint.
+EXIT_CONFIG, EXIT_MISSING, EXIT_NO_CHECKPOINT = 2, 3, 6
+
+HF_EXTRA_HINT = "install the Hugging Face extra: pip install -e '.[hf]'"
+
+
+class HFError(ValueError):
+    """A refused export or import: one line, and the process exit code that goes with it."""
+
+    def __init__(self, message: str, code: int = EXIT_CONFIG):
+        super().__init__(message)
+        self.code = code
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def _d_inner(cfg: ModelConfig) -> int:
+    return cfg.mamba_num_heads * cfg.mamba_head_dim
+
+
+def hf_config_fields(cfg: ModelConfig, vocab_size: int, *, eos_token_id: Optional[int],
+                     bos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
+                     dtype: str = "bfloat16") -> dict:
+    """The `NemotronHConfig` fields of this model (what config.json says)."""
+    d_inner = _d_inner(cfg)
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "layers_block_type": [HF_LAYER_TYPES[k] for k in cfg.layer_kinds()],
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.kv_channels,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "mlp_hidden_act": "relu2",  # megatron's squared_relu (model/build.py)
+        "attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
+        "mamba_num_heads": cfg.mamba_num_heads,
+        "mamba_head_dim": cfg.mamba_head_dim,
+        "ssm_state_size": cfg.mamba_state_dim,
+        "n_groups": cfg.mamba_num_groups,
+        "conv_kernel": CONV_KERNEL,
+        "use_conv_bias": True,
+        "mamba_hidden_act": "silu",
+        # Not read by the mixer (its width is mamba_num_heads x mamba_head_dim,
+        # modeling_nemotron_h.py:405); recorded as megatron's expand when it is a whole number.
+        "expand": d_inner // cfg.hidden_size if d_inner % cfg.hidden_size == 0 else 2,
+        "chunk_size": cfg.mamba_chunk_size,
+        "time_step_min": NO_STEP_SIZE_CLAMP,
+        "time_step_max": DT_MAX,
+        "time_step_floor": DT_INIT_FLOOR,
+        "layer_norm_epsilon": cfg.layernorm_epsilon,
+        "residual_in_fp32": False,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": cfg.max_sequence_length,
+        "initializer_range": cfg.init_method_std,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "dtype": dtype,
+    }
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, **ids):
+    """transformers' `NemotronHConfig` of this model (`ids`: eos/bos/pad token ids, dtype)."""
+    from transformers import NemotronHConfig
+
+    config = NemotronHConfig(**hf_config_fields(cfg, vocab_size, **ids))
+    config.architectures = [ARCHITECTURE]
+    return config
+
+
+def write_config(directory: Path, config) -> None:
+    """config.json as transformers writes it, the layers given as NVIDIA's published configs give
+    them: `hybrid_override_pattern` (+ `num_hidden_layers`). transformers' own list has changed
+    names across releases ("mamba"/"attention" in 5.10.4, "linear_attention"/"full_attention" in
+    5.16.1, no "mlp" in 5.5.4); every release with NemotronH (5.3 on) converts the pattern
+    (`_pattern_to_list`, configuration_nemotron_h.py:278-281 in 5.24.0)."""
+    config.save_pretrained(directory)
+    path = Path(directory) / "config.json"
+    fields = json.loads(path.read_text())
+    layers = fields.pop("layers_block_type")
+    fields.pop("mtp_layers_block_type", None)  # MTP is off (num_nextn_predict_layers = 0)
+    fields["hybrid_override_pattern"] = "".join(HF_SYMBOLS[t] for t in layers)
+    fields["num_hidden_layers"] = len(layers)
+    path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+def _hf_pattern(hf: Mapping) -> Optional[str]:
+    if isinstance(hf.get("layers_block_type"), list):
+        return "".join(HF_SYMBOLS.get(t, "?") for t in hf["layers_block_type"])
+    pattern = hf.get("hybrid_override_pattern")
+    return pattern if isinstance(pattern, str) else None
+
+
+def config_mismatches(hf: Mapping, cfg: ModelConfig, vocab_size: Optional[int]) -> list[str]:
+    """Every way a NemotronH config.json differs from what this model builds ([] when none).
+
+    `vocab_size`: the model's unpadded vocabulary (None: not known yet, not compared).
+    """
+    found = []
+    if hf.get("model_type") != MODEL_TYPE:
+        found.append(f"model_type={hf.get('model_type')!r} is not {MODEL_TYPE!r}")
+    pattern = _hf_pattern(hf)
+    if pattern != cfg.pattern:
+        found.append(f"model.pattern={cfg.pattern!r} but the checkpoint's layers are "
+                     f"{pattern!r} (hybrid_override_pattern / layers_block_type)")
+    same = [("hidden_size", "hidden_size"), ("ffn_hidden_size", "intermediate_size"),
+            ("num_attention_heads", "num_attention_heads"),
+            ("num_query_groups", "num_key_value_heads"), ("kv_channels", "head_dim"),
+            ("mamba_num_heads", "mamba_num_heads"), ("mamba_head_dim", "mamba_head_dim"),
+            ("mamba_state_dim", "ssm_state_size"), ("mamba_num_groups", "n_groups"),
+            ("layernorm_epsilon", "layer_norm_epsilon")]
+    kinds = set(cfg.layer_kinds())
+    kind_of = {"ffn_hidden_size": "mlp", "num_attention_heads": "attention",
+               "num_query_groups": "attention", "kv_channels": "attention"}
+    for ours, theirs in same:
+        kind = "mamba" if ours.startswith("mamba_") else kind_of.get(ours)
+        if kind is not None and kind not in kinds:
+            continue  # a size of a layer kind neither pattern has
+        if hf.get(theirs) != getattr(cfg, ours):
+            found.append(f"model.{ours}={getattr(cfg, ours)} but {theirs}={hf.get(theirs)}")
+    if vocab_size is not None and hf.get("vocab_size") != vocab_size:
+        found.append(f"the model's vocabulary is {vocab_size} (model.vocab_size, or the "
+                     f"data.tokenizer's size when null) but vocab_size={hf.get('vocab_size')}")
+    # What this project's layers cannot represent (transformers' defaults where a key is absent,
+    # configuration_nemotron_h.py:97-151).
+    fixed = [("conv_kernel", CONV_KERNEL, 4), ("mlp_hidden_act", "relu2", "relu2"),
+             ("mamba_hidden_act", "silu", "silu"), ("use_conv_bias", True, True),
+             ("use_bias", False, False), ("mlp_bias", False, False),
+             ("attention_bias", False, False), ("mamba_proj_bias", False, False),
+             ("tie_word_embeddings", False, False)]
+    for key, required, default in fixed:
+        if hf.get(key, default) != required:
+            found.append(f"{key}={hf.get(key)!r} (this project builds {required!r})")
+    return found
+
+
+def read_hf_config(hf_dir: Path, key: str = "model.init_from") -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise HFError(f"{key}={hf_dir}: not a directory (a Hugging Face model directory with "
+                      "config.json and *.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFError(f"{key}={hf_dir}: no config.json in it") from None
+    except ValueError as exc:
+        raise HFError(f"{key}={hf_dir}: config.json is not JSON ({exc})") from None
+
+
+def check_init_from(cfg: ModelConfig, vocab_size: Optional[int] = None) -> dict:
+    """model.init_from's config.json against `cfg`, and that it holds safetensors weights.
+
+    Reads config.json and the file list only (cheap: ModelConfig.validate calls it, before
+    anything is written; the vocabulary is compared when `vocab_size` is given, by the trainer
+    once the data's tokenizer is known, as model.vocab_size may be null). Raises HFError naming
+    every mismatching field. Returns the config.json fields.
+    """
+    hf_dir = Path(cfg.init_from).expanduser()
+    hf = read_hf_config(hf_dir)
+    problems = config_mismatches(hf, cfg, vocab_size)
+    if problems:
+        raise HFError(f"model.init_from={hf_dir}: its config.json does not match the model "
+                      f"config: {'; '.join(problems)}; set model.* to the checkpoint's values "
+                      "(e.g. model=nemotron_h_12b for NVIDIA-Nemotron-Nano-12B-v2-Base)")
+    _weight_files(hf_dir)
+    return hf
+
+
+# -- transformers <-> megatron tensors --------------------------------------------------------
+
+
+def _in_proj_parts(cfg: ModelConfig) -> list[tuple[str, int]]:
+    gn = cfg.mamba_num_groups * cfg.mamba_state_dim
+    return [("z", _d_inner(cfg)), ("x", _d_inner(cfg)), ("B", gn), ("C", gn),
+            ("dt", cfg.mamba_num_heads)]
+
+
+def _conv_parts(cfg: ModelConfig) -> list[tuple[str, int]]:
+    return _in_proj_parts(cfg)[1:4]
+
+
+_NORM_OF = {"mamba": "norm", "attention": "input_layernorm", "mlp": "pre_mlp_layernorm"}
+# Names Transformer Engine layer specs (GPU runs) give the pre-norms fused into the first linear.
+_TE_NORM_ALIASES = {"mixer.in_proj.layer_norm_weight": "norm.weight",
+                    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def canonical_key(key: str) -> str:
+    """A checkpoint key in the portable spec's names (TE specs fuse the pre-norm into the
+    layer's first linear: megatron's TELayerNormColumnParallelLinear `layer_norm_weight`)."""
+    if key.startswith("decoder.layers."):
+        head, _, rest = key[len("decoder.layers."):].partition(".")
+        if rest in _TE_NORM_ALIASES:
+            return f"decoder.layers.{head}.{_TE_NORM_ALIASES[rest]}"
+    return key
+
+
+def _qkv_shape(cfg: ModelConfig):
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    return g, cfg.num_attention_heads // g, d
+
+
+def to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> dict:
+    """megatron checkpoint tensors (full, TP = PP = 1 shapes, portable names) -> the
+    `NemotronHForCausalLM.state_dict()` of the same model (vocabulary padding dropped)."""
+    out = {"model.embeddings.weight": full["embedding.word_embeddings.weight"][:vocab_size],
+           "model.norm_f.weight": full["decoder.final_norm.weight"],
+           "lm_head.weight": full["output_layer.weight"][:vocab_size]}
+    for i, kind in enumerate(cfg.layer_kinds()):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "norm.weight"] = full[f"{src}{_NORM_OF[kind]}.weight"]
+        if kind == "mamba":
+            m = src + "mixer."
+            out[dst + "mixer.in_proj.weight"] = torch.cat(
+                [full[f"{m}in_proj.weight.{p}"] for p, _ in _in_proj_parts(cfg)])
+            for t in ("weight", "bias"):
+                out[f"{dst}mixer.conv1d.{t}"] = torch.cat(
+                    [full[f"{m}conv1d.{t}.{p}"] for p, _ in _conv_parts(cfg)])
+            for name in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"):
+                out[f"{dst}mixer.{name}"] = full[m + name]
+        elif kind == "attention":
+            g, per_group, d = _qkv_shape(cfg)
+            qkv = full[src + "self_attention.linear_qkv.weight"].reshape(g, per_group + 2, d, -1)
+            h = qkv.shape[-1]
+            out[dst + "mixer.q_proj.weight"] = qkv[:, :per_group].reshape(g * per_group * d, h)
+            out[dst + "mixer.k_proj.weight"] = qkv[:, per_group].reshape(g * d, h)
+            out[dst + "mixer.v_proj.weight"] = qkv[:, per_group + 1].reshape(g * d, h)
+            out[dst + "mixer.o_proj.weight"] = full[src + "self_attention.linear_proj.weight"]
+        else:
+            out[dst + "mixer.up_proj.weight"] = full[src + "mlp.linear_fc1.weight"]
+            out[dst + "mixer.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(key: str, hf: Callable[[str], torch.Tensor], cfg: ModelConfig,
+            shape: tuple) -> torch.Tensor:
+    """The full megatron tensor of checkpoint `key` (portable name, global `shape`) from the
+    transformers tensors `hf(name)` (names as in `to_hf`); the inverse of `to_hf`. Vocabulary
+    padding rows are zeros: tokens no tokenizer id reaches."""
+    if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        rows = hf("model.embeddings.weight" if key.startswith("embedding") else "lm_head.weight")
+        if rows.shape[0] > shape[0]:
+            raise HFError(f"the checkpoint's vocabulary ({rows.shape[0]}) is larger than the "
+                          f"model's ({shape[0]})")
+        return torch.cat([rows, rows.new_zeros(shape[0] - rows.shape[0], *rows.shape[1:])])
+    if key == "decoder.final_norm.weight":
+        return hf("model.norm_f.weight")
+    if not key.startswith("decoder.layers."):
+        raise HFError(f"no transformers tensor maps to the model's {key}")
+    index, _, rest = key[len("decoder.layers."):].partition(".")
+    i, kind = int(index), cfg.layer_kinds()[int(index)]
+    dst = f"model.layers.{i}."
+    if rest == f"{_NORM_OF[kind]}.weight":
+        return hf(dst + "norm.weight")
+    if kind == "mamba" and rest.startswith(("mixer.in_proj.weight.", "mixer.conv1d.")):
+        base, _, part = rest.rpartition(".")
+        parts = _in_proj_parts(cfg) if base == "mixer.in_proj.weight" else _conv_parts(cfg)
+        start = 0
+        for name, size in parts:
+            if name == part:
+                return hf(dst + base)[start:start + size]
+            start += size
+    if kind == "mamba" and rest.startswith("mixer."):
+        return hf(dst + rest)
+    if kind == "attention" and rest == "self_attention.linear_qkv.weight":
+        g, per_group, d = _qkv_shape(cfg)
+        q = hf(dst + "mixer.q_proj.weight")
+        h = q.shape[-1]
+        return torch.cat([q.reshape(g, per_group, d, h),
+                          hf(dst + "mixer.k_proj.weight").reshape(g, 1, d, h),
+                          hf(dst + "mixer.v_proj.weight").reshape(g, 1, d, h)],
+                         dim=1).reshape(-1, h)
+    names = {"self_attention.linear_proj.weight": "mixer.o_proj.weight",
+             "mlp.linear_fc1.weight": "mixer.up_proj.weight",
+             "mlp.linear_fc2.weight": "mixer.down_proj.weight"}
+    if rest in names:
+        return hf(dst + names[rest])
+    raise HFError(f"no transformers tensor maps to the model's {key}")
+
+
+# -- the model's own sharded description: full tensors in, this rank's shards out --------------
+
+
+def _sharded_tensors(module: torch.nn.Module):
+    """(state dict with factories applied, the factories) of megatron's sharded state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
+
+    sharded = module.sharded_state_dict()
+    factories, _ = extract_matching_values(
+        sharded, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+    apply_factories(sharded)
+    return sharded, factories
+
+
+def model_full_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{checkpoint key: tensor} of a model built at TP = PP = 1 (the full tensors), the same
+    keys and values its distributed checkpoint stores."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sharded, _ = _sharded_tensors(module)
+    out = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor):
+            if tuple(sh.local_shape) != tuple(sh.global_shape):
+                raise ValueError(f"{sh.key} is sharded: build the model at TP = PP = 1")
+            out[canonical_key(sh.key)] = sh.data.detach()
+    return out
+
+
+def load_full_tensors(module: torch.nn.Module, tensor_for: Callable) -> None:
+    """Fill `module` (this rank's part of the model, any TP/PP) from full tensors.
+
+    `tensor_for(key, global_shape)` returns the full tensor of a checkpoint key (portable
+    names). Each is cut to this rank's slice by the ShardedTensor's own global offset, the fused
+    parts merged back by megatron's factories, and the result loaded as
+    training/checkpoint.py:load_checkpoint loads a checkpoint (only `_extra_state` may be absent).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                          apply_factory_merges)
+
+    sharded, factories = _sharded_tensors(module)
+
+    @torch.no_grad()
+    def local(sh):
+        if not isinstance(sh, ShardedTensor):
+            return sh
+        if sh.flattened_range is not None:
+            raise ValueError(f"{sh.key}: flattened shards are not model weights")
+        full = tensor_for(canonical_key(sh.key), tuple(sh.global_shape))
+        if tuple(full.shape) != tuple(sh.global_shape):
+            raise HFError(f"{sh.key}: the checkpoint's tensor has shape {tuple(full.shape)}, the "
+                          f"model's {tuple(sh.global_shape)}")
+        return full[sh.global_slice()].to(sh.data.dtype).clone()
+
+    loaded = dict_list_map_inplace(local, sharded)
+    loaded = apply_factory_merges(loaded, factories)
+    loaded = {k: v for k, v in loaded.items() if not isinstance(v, ShardedObject)}
+    missing, unexpected = module.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+
+
+# -- safetensors directories -------------------------------------------------------------------
+
+
+def _safe_open():
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise HFError(f"model.init_from needs safetensors: {HF_EXTRA_HINT}") from None
+    return safe_open
+
+
+def _weight_files(hf_dir: Path) -> dict[str, str]:
+    """{tensor name as stored: file} of a directory's safetensors weights; pickles refused."""
+    index = hf_dir / "model.safetensors.index.json"
+    single = hf_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HFError(f"model.init_from={hf_dir}: unreadable {index.name} ({exc})") from None
+        for name in sorted(set(weight_map.values())):
+            if not (hf_dir / name).is_file():
+                raise HFError(f"model.init_from={hf_dir}: {index.name} lists {name}, which is "
+                              "missing", EXIT_MISSING)
+        return dict(weight_map)
+    if single.is_file():
+        with _safe_open()(str(single), framework="pt") as f:
+            return {name: single.name for name in f.keys()}
+    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise HFError(f"model.init_from={hf_dir}: its weights are pickles ({', '.join(pickles)}), "
+                      "which are never loaded here (unpickling runs code): convert them to "
+                      "safetensors first")
+    raise HFError(f"model.init_from={hf_dir}: no model.safetensors or "
+                  "model.safetensors.index.json in it", EXIT_MISSING)
+
+
+class SafetensorsWeights:
+    """A directory's tensors by their `NemotronHForCausalLM.state_dict()` names, read lazily;
+    tensors of one pattern layer are cached until another layer is read."""
+
+    def __init__(self, hf_dir: Path):
+        self.dir = Path(hf_dir)
+        self.files = {}
+        for stored, file in _weight_files(self.dir).items():
+            self.files[self._own_name(stored)] = (stored, file)
+        self.read: set[str] = set()
+        self._cache: dict[str, torch.Tensor] = {}
+        self._cache_layer = None
+
+    @staticmethod
+    def _own_name(stored: str) -> str:
+        # transformers 5's conversion renames backbone. -> model. on load (conversion_mapping.py)
+        return "model." + stored[len("backbone."):] if stored.startswith("backbone.") else stored
+
+    def __call__(self, name: str) -> torch.Tensor:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer != self._cache_layer:
+            self._cache, self._cache_layer = {}, layer
+        if name not in self._cache:
+            if name not in self.files:
+                raise HFError(f"model.init_from={self.dir}: it has no tensor {name}")
+            stored, file = self.files[name]
+            with _safe_open()(str(self.dir / file), framework="pt") as f:
+                self._cache[name] = f.get_tensor(stored)
+            self.read.add(name)
+        return self._cache[name]
+
+    def unread(self) -> list[str]:
+        # Multi-token-prediction heads (`mtp.*`) are not part of the causal LM: transformers
+        # skips them too (modeling_nemotron_h.py:1013).
+        return sorted(n for n in self.files if n not in self.read and not n.startswith("mtp."))
+
+
+def _tokenizer_vocab(hf_dir: Path) -> Optional[dict]:
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+
+
+def load_hf_weights(module: torch.nn.Module, cfg: ModelConfig, vocab_size: int,
+                    tokenizer=None) -> None:
+    """model.init_from: this rank's part of `module` (freshly built, any TP/PP) from the
+    NemotronH directory, after checking its config against `cfg` (and its tokenizer.json, when
+    it has one, against the data's `tokenizer`). Raises HFError (exit 2) naming the problem."""
+    hf_dir = Path(cfg.init_from).expanduser()
+    check_init_from(cfg, vocab_size=cfg.vocab_size or vocab_size)
+    if tokenizer is not None:
+        theirs = _tokenizer_vocab(hf_dir)
+        if theirs is not None and theirs != tokenizer.get_vocab(with_added_tokens=True):
+            raise HFError(f"model.init_from={hf_dir}: its tokenizer.json has another vocabulary "
+                          "than data.tokenizer: tokenize the data with the checkpoint's "
+                          "tokenizer")
+    weights = SafetensorsWeights(hf_dir)
+    load_full_tensors(module, lambda key, shape: from_hf(key, weights, cfg, shape))
+    first, last = module.pre_process, module.post_process
+    if first and last and len(getattr(module.decoder, "layers", [])) == cfg.num_layers:
+        unread = weights.unread()  # only a rank holding the whole model can tell
+        if unread:
+            raise HFError(f"model.init_from={hf_dir}: tensors this model has no place for: "
+                          f"{', '.join(unread[:5])}{' ...' if len(unread) > 5 else ''}")
+    log.info(f"model.init_from: loaded {len(weights.read)} tensors from {hf_dir}")
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunFiles:
+    model: ModelConfig
+    tokenizer: Optional[str]  # data.tokenizer: a tokenizer.json or a Hugging Face directory
+    cache_dir: str
+    demo: object  # data.config.DemoConfig
+
+
+def read_run(run_dir: Path) -> RunFiles:
+    """The model and tokenizer settings a run was trained with (its config.yaml)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from data.config import DemoConfig
+
+    path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise HFError(f"RUN_DIR={run_dir}: not a directory")
+    if not path.is_file():
+        raise HFError(f"RUN_DIR={run_dir}: no config.yaml (not a run directory of train.py)")
+    try:
+        raw = OmegaConf.load(path)
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model))
+        data = raw.get("data", {})
+        demo = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemoConfig),
+                                                   data.get("demo", {})))
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HFError(f"{path}: {first}") from None
+    return RunFiles(model=model, tokenizer=data.get("tokenizer"),
+                    cache_dir=str(data.get("cache_dir", ".cache/data")), demo=demo)
+
+
+def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+    """checkpoints/step_N (verified against its manifest), or the newest intact one."""
+    from training import checkpoint as ckpt
+
+    root = run_dir / "checkpoints"
+    if step is not None:
+        path = root / ckpt.step_dir_name(step)
+        if not path.is_dir():
+            have = sorted(p.name for p in root.glob(f"{ckpt.PREFIX}*")) if root.is_dir() else []
+            raise HFError(f"--step {step}: {path} does not exist (checkpoints: "
+                          f"{', '.join(have) or 'none'})")
+        problem = ckpt.verify_checkpoint(path)
+        if problem:
+            raise HFError(f"--step {step}: {path} is unusable: {problem}", EXIT_NO_CHECKPOINT)
+        return path
+    found = ckpt.latest_valid_checkpoint(root)
+    if found is None:
+        if root.is_dir() and any(root.glob(f"{ckpt.PREFIX}*")):
+            raise HFError(f"RUN_DIR={run_dir}: none of its checkpoints is usable (see the "
+                          "warnings above)", EXIT_NO_CHECKPOINT)
+        raise HFError(f"RUN_DIR={run_dir}: no checkpoint in {root}")
+    return found
+
+
+def read_checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's full tensors {portable checkpoint key: tensor} from step_N/dist, assembled
+    from the shards of any TP/PP layout by torch's checkpoint reader, metadata read by
+    training/safe_load.py's allow-listed unpickler, tensors with weights_only loading."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from training.safe_load import (CheckpointRefused, SafeFileSystemReader,
+                                    unwrap_checkpoint_exception)
+
+    reader = SafeFileSystemReader(checkpoint / "dist")
+    try:
+        metadata = reader.read_metadata()
+    except CheckpointRefused as exc:
+        raise HFError(str(exc), EXIT_NO_CHECKPOINT) from None
+    wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in metadata.state_dict_metadata.items()
+              if isinstance(meta, TensorStorageMetadata) and key.startswith(_MODEL_KEY_PREFIXES)}
+    try:
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:  # torch wraps each failure (dcp/utils.py)
+        cause = unwrap_checkpoint_exception(exc)
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise HFError(f"refusing {checkpoint / 'dist'}: {first}", EXIT_NO_CHECKPOINT) from None
+    return {canonical_key(k): v for k, v in wanted.items()}
+
+
+def _hf_tokenizer(files: RunFiles, override: Optional[str]):
+    """The run's tokenizer as a transformers tokenizer (saved with save_pretrained)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from data.tokenizer import EOD_TOKEN
+
+    path = override or files.tokenizer
+    key = "--tokenizer" if override else "data.tokenizer"
+    if path is None:  # the demo tokenizer, found (or rebuilt, deterministically) in the cache
+        from data.demo import ensure_demo_corpus
+
+        path = ensure_demo_corpus(os.path.abspath(os.path.expanduser(files.cache_dir)),
+                                  files.demo).tokenizer_path
+        key = "the demo tokenizer"
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):  # a Hugging Face tokenizer directory: its special tokens as configured
+        return AutoTokenizer.from_pretrained(path)
+    if not os.path.isfile(path):
+        raise HFError(f"{key}={path}: file not found (pass --tokenizer PATH)", EXIT_MISSING)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    eod = EOD_TOKEN if tok.token_to_id(EOD_TOKEN) is not None else None
+    # The data pipeline ends every document with <|endoftext|> and adds no BOS (data/prepare.py).
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eod, pad_token=eod)
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise HFError(f"--output {output}: exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise HFError(f"--output {output}: exists and is not empty; choose another directory "
+                      "or pass --overwrite to replace it")
+
+
+def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], tokenizer,
+                 max_shard_size: str = "5GB") -> None:
+    """Write the model directory into a temporary sibling and rename it into place."""
+    from transformers import GenerationConfig, NemotronHForCausalLM
+
+    output = output.absolute()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".tmp-{output.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with torch.device("meta"):  # no memory: the weights are assigned below
+            model = NemotronHForCausalLM(config)
+        model.load_state_dict(dict(state_dict), strict=True, assign=True)
+        model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
+                                                   eos_token_id=config.eos_token_id,
+                                                   pad_token_id=config.pad_token_id)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        write_config(tmp, config)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for path in tmp.iterdir():  # safetensors' temporary files are private (0600)
+            path.chmod(0o644)
+        if output.exists():  # empty, or --overwrite: the old one goes only once the new is whole
+            old = output.parent / f".old-{output.name}-{os.getpid()}"
+            os.replace(output, old)
+            os.replace(tmp, output)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str] = None,
+           overwrite: bool = False, max_shard_size: str = "5GB") -> Path:
+    """A run's checkpoint as a transformers NemotronH directory; every check before writing."""
+    run_dir, output = Path(run_dir).expanduser(), Path(output).expanduser()
+    files = read_run(run_dir)
+    checkpoint = pick_checkpoint(run_dir, step)
+    _check_output(output, overwrite)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise HFError(f"export needs transformers: {HF_EXTRA_HINT}") from None
+    hf_tokenizer = _hf_tokenizer(files, tokenizer)
+    cfg = files.model
+    full = read_checkpoint_weights(checkpoint)
+    rows = full["embedding.word_embeddings.weight"].shape[0]
+    vocab = cfg.vocab_size or len(hf_tokenizer)
+    if vocab > rows:
+        raise HFError(f"the tokenizer has {vocab} tokens but the checkpoint's embedding "
+                      f"{rows} rows: pass the run's tokenizer with --tokenizer")
+    dtype = str(full["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
+    config = hf_config(cfg, vocab, eos_token_id=hf_tokenizer.eos_token_id,
+                       bos_token_id=hf_tokenizer.bos_token_id,
+                       pad_token_id=hf_tokenizer.pad_token_id, dtype=dtype)
+    write_hf_dir(output, config, to_hf(full, cfg, vocab), hf_tokenizer, max_shard_size)
+    return checkpoint
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model.hf", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="a run's checkpoint -> a transformers NemotronH directory")
+    ex.add_argument("run_dir", help="the run directory (run.dir) of train.py")
+    ex.add_argument("--step", type=int, help="checkpoint step (default: the newest intact one)")
+    ex.add_argument("--output", required=True, help="the directory to write")
+    ex.add_argument("--tokenizer", help="tokenizer.json or HF tokenizer directory (default: the "
+                                        "run's data.tokenizer, or the demo tokenizer)")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    ex.add_argument("--max-shard-size", default="5GB",
+                    help="split model.safetensors above this size, with an index (default 5GB)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        checkpoint = export(args.run_dir, args.output, args.step, args.tokenizer, args.overwrite,
+                            args.max_shard_size)
+    except HFError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
+    print(f"exported {checkpoint} to {Path(args.output)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

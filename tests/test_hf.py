@@ -1,0 +1,337 @@
+"""Hugging Face round trips (model/hf.py), on CPU with small random models made here.
+
+Fast: the conversions in one process (project -> transformers logits, transformers -> project ->
+transformers weights, config checks, the 12B config.json). Slow: train.py and the export CLI as a
+user runs them (demo export + generate(); model.init_from at TP=1 and TP=2, both exported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
+
+from mamba_fixtures import megatron_single_process  # noqa: F401,E402  (fixture)
+from plan_fixtures import model_config  # noqa: E402
+from train_helpers import FAST, REPO, run_train  # noqa: E402
+
+from model import hf  # noqa: E402
+from model.build import build_model  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
+
+# All three layer kinds, GQA (4 query heads on 2 KV groups), 2 Mamba groups; vocabulary 300,
+# padded to 384 by the project (the export strips it back to 300).
+TINY = ModelConfig(pattern="M-*M-", hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, mamba_num_heads=8, mamba_head_dim=16,
+                   mamba_state_dim=16, mamba_num_groups=2, mamba_chunk_size=16, vocab_size=300,
+                   spec="portable")
+VOCAB = 300
+# max |project - transformers| / max |logit| with FP32 GEMMs on both sides; measured 3e-7
+# (transformers 5.24.0, torch 2.13 CPU): what remains is summation order.
+LOGITS_RTOL = 1e-5
+
+
+def _project_model(cfg: ModelConfig, dtype=torch.float32):
+    return build_model(cfg, PrecisionConfig(), vocab_size=cfg.vocab_size, backend="emulated",
+                       params_dtype=dtype).module.eval()
+
+
+def _hf_model(cfg: ModelConfig, vocab: int, dtype=torch.float32, **config_overrides):
+    from transformers import NemotronHForCausalLM
+
+    config = hf.hf_config(cfg, vocab, eos_token_id=0, pad_token_id=0,
+                          dtype=str(dtype).removeprefix("torch."))
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    return NemotronHForCausalLM(config).to(dtype).eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_project_logits_match_transformers_with_fp32_gemms(megatron_single_process, monkeypatch):
+    # The portable linears multiply BF16 operands (as training does); compare FP32 GEMMs.
+    monkeypatch.setattr("nvfp4_recipe.parallel_linear.COMPUTE_DTYPE", torch.float32)
+    # megatron compiles squared_relu on first use (jit_fuser): 5 s of the test, same numbers.
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    torch.manual_seed(0)
+    ours = _project_model(TINY)
+    with torch.no_grad():  # one head per Mamba layer with step sizes far below 0.001
+        for i, kind in enumerate(TINY.layer_kinds()):
+            if kind == "mamba":
+                ours.decoder.layers[i].mixer.dt_bias[0] = -9.0
+    state = hf.to_hf(hf.model_full_tensors(ours), TINY, VOCAB)
+    assert state["lm_head.weight"].shape == (VOCAB, TINY.hidden_size)  # padding stripped
+    theirs = _hf_model(TINY, VOCAB)
+    theirs.load_state_dict(state, strict=True)
+    ids = torch.randint(0, VOCAB, (2, 40))  # 40 tokens: 3 Mamba chunks of 16
+    with torch.no_grad():
+        ours_logits = ours(ids, None, None)[..., :VOCAB]
+        hf_logits = theirs(ids).logits
+    assert _rel(ours_logits, hf_logits) < LOGITS_RTOL
+
+    # What the exported time_step_min removes: transformers' default clamp (0.001) changes them.
+    clamped = _hf_model(TINY, VOCAB, time_step_min=0.001)
+    clamped.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert _rel(ours_logits, clamped(ids).logits) > 10 * LOGITS_RTOL
+    # transformers' clamp (modeling_nemotron_h.py:296) at the exported floor is the identity.
+    dt = torch.tensor([0.0, 1e-45, 1e-38, 1e-3])
+    floor = hf.hf_config(TINY, VOCAB, eos_token_id=0).time_step_min
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(torch.clamp(dt.to(dtype), min=floor), dt.to(dtype))
+
+
+def _random_hf_dir(tmp_path: Path, cfg: ModelConfig, vocab: int, **save_kwargs) -> tuple:
+    """A BF16 transformers model with every tensor random (not transformers' constant inits),
+    saved as safetensors; returns (dir, its state dict)."""
+    torch.manual_seed(1)
+    model = _hf_model(cfg, vocab, torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32) * 0.1)
+    out = tmp_path / "hf_in"
+    model.save_pretrained(out, **save_kwargs)
+    return out, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_transformers_to_project_to_transformers_is_bit_identical(megatron_single_process,
+                                                                   tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    # Sharded on purpose: the import reads model.safetensors.index.json.
+    hf_dir, original = _random_hf_dir(tmp_path, TINY, VOCAB, max_shard_size="100KB")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    cfg = dataclasses.replace(TINY, init_from=str(hf_dir))
+    cfg.validate()  # the start-up check: config.json matches
+    ours = _project_model(cfg, torch.bfloat16)
+    hf.load_hf_weights(ours, cfg, VOCAB)
+    ours.to(torch.bfloat16)  # what megatron's Float16Module does next in the trainer (D is FP32)
+    back = hf.to_hf(hf.model_full_tensors(ours), cfg, VOCAB)
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+    # ... and through the export writer and transformers' own loader.
+    config = hf.hf_config(cfg, VOCAB, eos_token_id=0, pad_token_id=0)
+    hf.write_hf_dir(tmp_path / "hf_out", config, back, tokenizer=None)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in original.items())
+
+
+def test_a_mismatched_config_is_refused_naming_each_field(megatron_single_process, tmp_path):
+    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
+    wrong = dataclasses.replace(TINY, hidden_size=128, pattern="M-*M", init_from=str(hf_dir))
+    with pytest.raises(ValueError) as info:
+        wrong.validate()  # before anything is built or written
+    message = str(info.value)
+    assert "model.hidden_size=128 but hidden_size=64" in message
+    assert "model.pattern='M-*M'" in message and "'M-*M-'" in message
+    assert "\n" not in message
+    # The vocabulary, once the tokenizer gives it: 4096 tokens against the checkpoint's 300.
+    cfg = dataclasses.replace(TINY, vocab_size=None, init_from=str(hf_dir))
+    ours = build_model(cfg, PrecisionConfig(), vocab_size=4096, backend="emulated").module
+    with pytest.raises(ValueError, match="vocabulary is 4096 .* but vocab_size=300"):
+        hf.load_hf_weights(ours, cfg, 4096)
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickle_weights_are_refused_unopened(tmp_path):
+    hf_dir = tmp_path / "pickled"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(
+        hf.hf_config_fields(TINY, VOCAB, eos_token_id=0) | {"model_type": "nemotron_h"}))
+    marker = tmp_path / "pwned"
+    (hf_dir / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(ValueError, match="pytorch_model.bin.*never loaded"):
+        dataclasses.replace(TINY, init_from=str(hf_dir)).validate()
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="not a directory"):
+        dataclasses.replace(TINY, init_from=str(tmp_path / "missing")).validate()
+
+
+# The published NVIDIA-Nemotron-Nano-12B-v2-Base config.json, architecture fields. Sources (no
+# network to huggingface.co here): the model card (huggingface.co/nvidia/
+# NVIDIA-Nemotron-Nano-12B-v2-Base README: 62 layers = 28 Mamba-2 + 28 MLP + 6 GQA attention with
+# 8 groups, 12.31B parameters, squared-ReLU MLP); Megatron-Bridge's NemotronNanoModelProvider12Bv2
+# and NemotronHModelProvider (src/megatron/bridge/models/nemotronh/nemotron_h_provider.py:
+# pattern, hidden 5120, FFN 20480, 40 heads, kv_channels 128, 128 Mamba heads of 80, state 128,
+# 8 Mamba groups, 8 query groups) with the HF names of its NemotronHBridge.CONFIG_MAPPING
+# (nemotron_h_bridge.py: n_groups, ssm_state_size, hybrid_override_pattern, layer_norm_epsilon);
+# a public note quoting the config.json (vocab_size 131072, chunk_size 128, head_dim 128);
+# shared/notes/nemotron-h-12b.md (RMSNorm eps 1e-5, conv kernel 4, expand 2, untied embeddings,
+# no biases). max_position_embeddings (131072 there) is left out: Nemotron-H has no position
+# embeddings, and the field is the context the card's long-context phase reached, where the
+# project's recipe trains at 8192.
+PUBLISHED_12B = {
+    "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-",
+    "num_hidden_layers": 62, "vocab_size": 131072, "hidden_size": 5120,
+    "intermediate_size": 20480, "mlp_hidden_act": "relu2", "num_attention_heads": 40,
+    "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 80,
+    "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "expand": 2, "chunk_size": 128,
+    "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "use_bias": False,
+    "mlp_bias": False, "attention_bias": False, "use_conv_bias": True,
+}
+
+
+def test_12b_config_json_matches_the_published_card(megatron_single_process, tmp_path):
+    from transformers import AutoConfig, NemotronHForCausalLM
+
+    cfg = dataclasses.replace(model_config("nemotron_h_12b"), spec="portable")
+    hf.write_config(tmp_path, hf.hf_config(cfg, 131072, eos_token_id=2, bos_token_id=1,
+                                           pad_token_id=0))
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert {k: written[k] for k in PUBLISHED_12B} == PUBLISHED_12B
+    assert hf.config_mismatches(PUBLISHED_12B, cfg, 131072) == []  # init_from would accept it
+    config = AutoConfig.from_pretrained(tmp_path)  # transformers reads it back as written
+    assert config.hybrid_override_pattern == PUBLISHED_12B["hybrid_override_pattern"]
+    with torch.device("meta"):  # shapes only
+        theirs = NemotronHForCausalLM(config)
+        ours = build_model(cfg, PrecisionConfig(), vocab_size=131072, initialize=False,
+                           backend="emulated").module
+    assert sum(p.numel() for p in theirs.parameters()) == 12_310_001_152  # the card's 12.31B
+    state = hf.to_hf(hf.model_full_tensors(ours), cfg, 131072)
+    expected = theirs.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(state[k].shape == expected[k].shape for k in expected)
+
+
+def test_export_refuses_bad_input_before_writing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert hf.main(["export", str(tmp_path / "nope"), "--output", str(out)]) == 2
+    assert "RUN_DIR=" in capsys.readouterr().err and not out.exists()
+    (tmp_path / "run").mkdir()
+    assert hf.main(["export", str(tmp_path / "run"), "--output", str(out)]) == 2
+    assert "no config.yaml" in capsys.readouterr().err and not out.exists()
+
+
+# -- slow: train.py and the CLI as a user runs them -------------------------------------------
+
+TRAIN = [*FAST, "precision=bf16", "trainer.max_steps=2", "trainer.save_every=2",
+         "trainer.eval_every=100"]
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "model.hf", "export", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _safetensors(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.slow
+def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, data_cache, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *TRAIN, cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "hf"
+    proc = _export(run_dir, "--output", out, "--max-shard-size", "4MB")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "model.safetensors.index.json").is_file()  # 12.5 MB of weights in shards
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+
+    # The exported tensors are the checkpoint's, split and stripped as documented.
+    full = hf.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000002")
+    cfg = hf.read_run(run_dir).model
+    expected = {k.replace("model.", "backbone.", 1): v
+                for k, v in hf.to_hf(full, cfg, 4096).items()}
+    written = _safetensors(out)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = tok("def main():", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] == ids["input_ids"].shape[1] + 8
+    assert isinstance(tok.decode(generated[0]), str)
+
+    # An existing output is never replaced without --overwrite (the CLI in this process: the
+    # same main() as above, without another interpreter start).
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert hf.main(["export", str(run_dir), "--output", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert hf.main(["export", str(run_dir), "--output", str(out), "--overwrite",
+                    "--step", "2"]) == 0
+    assert not (out / "model.safetensors.index.json").exists()  # one 5GB-limit file now
+    assert _safetensors(out).keys() == expected.keys()
+    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
+    assert hf.main(["export", str(run_dir), "--output", str(tmp_path / "other"),
+                    "--step", "7"]) == 2
+    assert "step_0000007" in capsys.readouterr().err and not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
+def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_cache):
+    """HF -> project (train.py, model.init_from) at TP=1 and TP=2 -> checkpoint -> HF.
+
+    lr = 1e-30 keeps every weight bit-identical through the one optimizer step (Adam moves a
+    weight by ~lr, far below half an FP32 ulp of any weight here; the decay factor 1 - lr x wd
+    rounds to 1), so the round trip and the TP=2 == TP=1 exports can be compared exactly."""
+    demo = ModelConfig()  # recipes/model/demo.yaml's shapes; the demo tokenizer has 4096 tokens
+    hf_dir, original = _random_hf_dir(tmp_path, demo, 4096)
+    frozen = [*FAST, "precision=bf16", "trainer.max_steps=1", "trainer.save_every=1",
+              "trainer.lr=1e-30", "trainer.min_lr=0", f"model.init_from={hf_dir}"]
+    exported = {}
+    for name, extra, nproc in (("tp1", [], 1), ("tp2", ["parallel.tensor=2"], 2)):
+        run_dir = tmp_path / name
+        proc = run_train(run_dir, *frozen, *extra, nproc=nproc, cache_dir=data_cache)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log
+        assert "model.init_from: loaded" in log, log
+        hf.export(run_dir, tmp_path / f"{name}_hf")
+        exported[name] = _safetensors(tmp_path / f"{name}_hf")
+    want = {k.replace("model.", "backbone.", 1): v for k, v in original.items()}
+    for name, tensors in exported.items():
+        assert tensors.keys() == want.keys(), name
+        for key, tensor in want.items():
+            assert torch.equal(tensors[key], tensor), (name, key)
+
+    # The first checkpoint is an ordinary one: the TP=2 run resumes at TP=1 (resharded).
+    proc = run_train(tmp_path / "tp2", *frozen, "trainer.max_steps=2", cache_dir=data_cache)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "resharded from tensor 2" in log and "resumed from" in log
+    assert math.isfinite(json.loads((tmp_path / "tp2" / "metrics.jsonl").read_text()
+                                    .splitlines()[-1]).get("loss", 0.0))
+
+
+@pytest.mark.slow
+def test_train_py_refuses_a_mismatched_init_from_writing_nothing(tmp_path, data_cache):
+    hf_dir, _ = _random_hf_dir(tmp_path, dataclasses.replace(ModelConfig(), hidden_size=128), 4096)
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *TRAIN, f"model.init_from={hf_dir}", cache_dir=data_cache)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log
+    assert "model.hidden_size=256 but hidden_size=128" in log and "Traceback" not in log
+    assert not run_dir.exists()
