@@ -222,6 +222,12 @@ def test_export_refuses_bad_input_before_writing(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     assert hf.main(["export", str(tmp_path / "run"), "--output", str(out)]) == 2
     assert "no config.yaml" in capsys.readouterr().err and not out.exists()
+    # What is already there is never overwritten without --overwrite.
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(hf.HFError, match="exists and is not empty.*--overwrite"):
+        hf._check_output(out, overwrite=False)
+    assert (out / "keep.txt").read_text() == "precious"
 
 
 # -- slow: train.py and the CLI as a user runs them -------------------------------------------
