@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # On a CPU-only machine pin the local CPU wheel of torch; a GPU machine brings its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup train test test-fast bench gpu-check ablations clean
+.PHONY: setup train test test-fast bench gpu-check gpu-wheels ablations clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,73 @@ test-fast: setup
 bench: setup
 	$(PY) -m launch.bench $(ARGS)
 
-gpu-check:  ## on a GPU machine: CUDA tests, bench, 50-step demos -> runs/gpu_check/
+gpu-check:  ## on a GPU machine: CUDA tests, Triton SSD check, 30-step demos, bench -> runs/gpu_check/
 	bash launch/gpu_check.sh
+
+# `make gpu-wheels`: a wheelhouse for launch/gpu_check.sh on an offline GPU machine with CPython
+# 3.12 on Linux x86-64 that has torch (and its own dependencies), triton and pytest, and nothing
+# else of ours. Copy the repo with .wheels/ over and run `WHEELS=.wheels bash launch/gpu_check.sh`.
+# Never downloads torch: binary wheels come --no-deps or from dependency trees without torch, and
+# the two sdists (antlr4's runtime, mamba-ssm) build without build isolation against the local torch.
+GPU_WHEELS ?= .wheels
+GPU_WHEELS_MAX_MIB ?= 40
+GPU_WHEEL_TAGS := --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+	--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
+# With their dependency trees (none of which contains torch):
+GPU_WHEELS_TREES := hydra-core omegaconf numpy einops rich psutil
+# Without dependencies. megatron-core needs torch (the machine's), numpy and packaging (in the trees
+# above); tokenizers' huggingface-hub only serves Tokenizer.from_pretrained, which we never call.
+# wandb (26 MiB with its tree: over the limit) is left out: the check runs with logger.mode=disabled,
+# and training/metrics.py imports wandb only for the other modes.
+# GPU_MEGATRON: the newest release by default (what a Python 3.12 user gets); pin it, e.g.
+# GPU_MEGATRON=megatron-core==0.16.1, to check the GPU path on the version the CPU suite runs.
+GPU_MEGATRON ?= megatron-core
+GPU_WHEELS_NODEPS := $(GPU_MEGATRON) tokenizers
+
+gpu-wheels: setup  ## download the offline wheelhouse for launch/gpu_check.sh into .wheels/ (< 40 MiB)
+	@set -eu; W="$(GPU_WHEELS)"; T=$$(mktemp -d); trap 'rm -rf "$$T"' EXIT; \
+	rm -rf "$$W"; mkdir -p "$$W"; \
+	$(PY) -c "import re, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	deps = p['dependencies'] + p['optional-dependencies']['gpu']; \
+	print('\n'.join(re.sub(r'\[.*?\]', '', d) for d in deps if not d.startswith('torch')))" > "$$T/constraints.txt"; \
+	echo "gpu-wheels: the project's version bounds (pyproject.toml): $$(tr '\n' ' ' < "$$T/constraints.txt")"; \
+	echo "gpu-wheels: building antlr4-python3-runtime 4.9.x (hydra-core's pin; PyPI has only its sdist)"; \
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --no-binary antlr4-python3-runtime \
+		-w "$$W" "antlr4-python3-runtime==4.9.*"; \
+	echo "gpu-wheels: downloading $(GPU_WHEELS_TREES) with dependencies, $(GPU_WHEELS_NODEPS) without"; \
+	$(PY) -m pip download --quiet $(GPU_WHEEL_TAGS) -c "$$T/constraints.txt" --find-links "$$W" \
+		-d "$$W" $(GPU_WHEELS_TREES); \
+	$(PY) -m pip download --quiet --no-deps $(GPU_WHEEL_TAGS) -c "$$T/constraints.txt" \
+		-d "$$W" $(GPU_WHEELS_NODEPS); \
+	echo "gpu-wheels: building mamba-ssm without its CUDA extension (MAMBA_SKIP_CUDA_BUILD, for its Triton SSD kernels)"; \
+	$(PY) -m pip install --quiet --target "$$T/tools" wheel; \
+	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE PYTHONPATH="$$T/tools" \
+		$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --no-binary mamba-ssm \
+		-c "$$T/constraints.txt" -w "$$W" mamba-ssm; \
+	echo "gpu-wheels: checking that the wheelhouse alone installs on cp312 manylinux x86-64 (torch stubbed)"; \
+	mkdir -p "$$T/stub/torch-2.11.0.dist-info"; \
+	printf 'Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\n' > "$$T/stub/torch-2.11.0.dist-info/METADATA"; \
+	printf 'Wheel-Version: 1.0\nGenerator: make\nRoot-Is-Purelib: true\nTag: py3-none-any\n' > "$$T/stub/torch-2.11.0.dist-info/WHEEL"; \
+	printf 'torch-2.11.0.dist-info/METADATA,,\ntorch-2.11.0.dist-info/WHEEL,,\ntorch-2.11.0.dist-info/RECORD,,\n' > "$$T/stub/torch-2.11.0.dist-info/RECORD"; \
+	(cd "$$T/stub" && $(abspath $(PY)) -c "import shutil; shutil.make_archive('torch-2.11.0-py3-none-any', 'zip', '.')" \
+		&& mkdir -p ../torchstub && mv torch-2.11.0-py3-none-any.zip ../torchstub/torch-2.11.0-py3-none-any.whl); \
+	$(PY) -m pip install --dry-run --no-index --find-links "$$W" --find-links "$$T/torchstub" \
+		$(GPU_WHEEL_TAGS) --target "$$T/target" "torch==2.11.0" megatron-core $(GPU_WHEELS_TREES) \
+		> "$$T/dry.txt" 2>&1 \
+	&& $(PY) -m pip install --dry-run --no-index --no-deps --find-links "$$W" \
+		$(GPU_WHEEL_TAGS) --target "$$T/target" tokenizers mamba-ssm >> "$$T/dry.txt" 2>&1 \
+	|| { cat "$$T/dry.txt"; echo "gpu-wheels: $$W does not install on its own (see above)" >&2; exit 1; }; \
+	grep '^Would install' "$$T/dry.txt" | sed 's/^/gpu-wheels: /'; \
+	ls -1 "$$W"; \
+	BYTES=$$(du -cb "$$W"/*.whl | tail -n 1 | cut -f 1); \
+	MIB=$$(awk "BEGIN { printf \"%.1f\", $$BYTES / 1048576 }"); \
+	if [ "$$BYTES" -gt $$(( $(GPU_WHEELS_MAX_MIB) * 1048576 )) ]; then \
+		echo "gpu-wheels: $$W holds $$MIB MiB, over the $(GPU_WHEELS_MAX_MIB) MiB limit" >&2; exit 1; fi; \
+	echo "gpu-wheels: $$W holds $$(ls "$$W" | wc -l) wheels, $$MIB MiB (limit $(GPU_WHEELS_MAX_MIB) MiB)"
 
 ablations: setup
 	$(PY) -m launch.ablations $(ARGS)
+
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

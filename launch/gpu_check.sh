@@ -1,117 +1,139 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: CUDA numerics tests, the hardware bench, a 50-step demo in BF16 and
-# NVFP4 (emulated), everything written to one folder. Run from the repository root:
+# The one prepared GPU check, for one GPU with no network. Planned machine: one H200 (cc 9.0),
+# Python 3.12, torch 2.11 (CUDA 13), triton, nvcc and pytest; no Transformer Engine, megatron-core
+# or mamba_ssm. Run from the repository root:
 #
-#   bash launch/gpu_check.sh                    # OUT=runs/gpu_check; < 8 min on one H200
-#   OUT=/tmp/x GPU_CHECK_QUICK=1 bash launch/gpu_check.sh   # CI mode: < 2 min on 2 CPU cores
+#   make gpu-wheels                            # anywhere with network: .wheels/ (< 40 MiB), then copy the repo over
+#   WHEELS=.wheels bash launch/gpu_check.sh    # on the GPU machine: OUT=runs/gpu_check, < 8 min on one H200
+#   OUT=/tmp/x GPU_CHECK_QUICK=1 bash launch/gpu_check.sh   # CI (CPU mode): < 2 min on 2 cores
 #
-# On a machine without CUDA it degrades to the CPU rows (quick bench, a short demo) and says so.
-# Environment: OUT (output folder), PYTHON (default: python), GPU_CHECK_QUICK=1 (smallest
-# settings), NVFP4_CACHE (demo corpus cache), DEMO_STEPS (default 50 on CUDA, 4 on CPU, 2 quick), WHEELS (a folder of wheels for
-# an offline install of missing dependencies), GPU_CHECK_NO_INSTALL=1 (never pip install),
-# BENCH_TRAIN_MODELS (GPU: default demo,1b; "demo" drops the ~1B hybrid's steps).
-# Time limits per part (worst case ~11 min): CUDA tests 120 s, bench 330 s, each demo 120 s;
-# expected on one H200 ~5-7 min (untested: no GPU was available when this was written).
-# Exit status: 0 if every part passed, else 1 (each part's status is in $OUT/summary.md).
+# Parts, in order; each is "ok", "FAILED (...)" or "skipped: <reason>" in $OUT/summary.md:
+#   deps        installs what the check imports and the machine lacks: from $WHEELS offline with
+#               --no-deps into $GPU_CHECK_SITE (put first on PYTHONPATH; torch and the rest of the
+#               machine's environment untouched), or without WHEELS from the index, torch pinned
+#   cuda_tests  tests/test_cuda_numerics.py: the NVFP4 emulation on CUDA is bit-exact to CPU
+#   ssd_triton  mamba_ssm's Triton SSD scan vs the mixer's PyTorch scan, fwd+bwd (launch/ssd_check.py)
+#   demo_bf16   DEMO_STEPS (GPU 30) steps of the demo: BF16 weights, megatron's DDP and distributed
+#               optimizer (DP=1), megatron's schedule (on CUDA), full activation recompute
+#   demo_nvfp4  the same with emulated NVFP4 GEMMs
+#   bench       python -m launch.bench: GEMMs at 12B shapes; training tokens/s and MFU of the demo
+#               and (GPU) of the ~1B hybrid, BF16 and NVFP4
+# Without CUDA it runs the same parts in CPU mode (tests and SSD skip with the reason, small demos
+# and the quick bench) and says so.
+#
+# Environment: OUT, PYTHON (default python, else python3), WHEELS (wheelhouse for an offline install),
+# GPU_CHECK_NO_INSTALL=1 (never install), GPU_CHECK_QUICK=1 (smallest settings), GPU_CHECK_PARTS
+# (comma list, default all), GPU_CHECK_BUDGET_S (whole run; GPU default 470 s), GPU_CHECK_SITE
+# (default .cache/gpu_check_site), DEMO_STEPS, BENCH_TRAIN_MODELS (GPU default demo,1b),
+# NVFP4_CACHE (demo corpus cache). Expected on one H200: ~5 min (untested: no GPU was available
+# when this was written). Exit status 0 when no part failed (skips are not failures), else 1.
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
 OUT=${OUT:-runs/gpu_check}
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 QUICK=${GPU_CHECK_QUICK:-0}
-mkdir -p "$OUT"
+PARTS=${GPU_CHECK_PARTS:-deps,cuda_tests,ssd_triton,demo_bf16,demo_nvfp4,bench}
+SITE=${GPU_CHECK_SITE:-$REPO/.cache/gpu_check_site}
+mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 1; }
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
+# a rerun (e.g. of some parts) must not report an earlier run's results
+for f in deps.log deps.md deps_plan.txt deps_imports.txt cuda_tests.log cuda_tests.xml ssd_triton.log \
+         ssd_triton.json demo_bf16.log demo_nvfp4.log bench.log bench.json bench.md demo_bf16 demo_nvfp4; do
+    rm -rf "${OUT:?}/$f"
+done
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-# the demo corpus cache: NVFP4_CACHE if set, else the repo default (.cache), built on first use
 say() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 START=$(date +%s)
 declare -a RESULTS=()
+FAILED=0
 
-# Run one part with a time limit; record its status and duration. Usage: part NAME LIMIT_S CMD...
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    say "PyTorch is not importable with PYTHON=$PYTHON: install a CUDA build of torch first"; exit 1
+fi
+if [ "$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then MODE=gpu; else MODE=cpu; fi
+if [ "$MODE" = gpu ]; then
+    BUDGET=${GPU_CHECK_BUDGET_S:-470}  # the whole run, < 8 min; a part gets min(its limit, what is left)
+    LIMIT_DEPS=60 LIMIT_TESTS=75 LIMIT_SSD=120 LIMIT_DEMO_BF16=75 LIMIT_DEMO_NVFP4=90 LIMIT_BENCH=180
+else
+    BUDGET=${GPU_CHECK_BUDGET_S:-900}  # CPU limits leave room for a loaded CI machine
+    LIMIT_DEPS=120 LIMIT_TESTS=120 LIMIT_SSD=60 LIMIT_DEMO_BF16=180 LIMIT_DEMO_NVFP4=180 LIMIT_BENCH=330
+fi
+KILL_AFTER=10
+
+selected() { [[ ",$PARTS," == *",$1,"* ]]; }
+record() {  # NAME STATUS SECONDS
+    RESULTS+=("| $1 | $2 | $3 s |")
+    case "$2" in ok|skipped*) ;; *) FAILED=1 ;; esac
+    write_summary
+}
+
+# Run one part under a time limit. Usage: part NAME LIMIT_S CMD... A command reports "skipped" by
+# printing "skipped: <reason>" as its last line and exiting 77; a pytest part whose tests were all
+# skipped (junit file in $JUNIT) is reported skipped with pytest's first reason.
 part() {
     local name=$1 limit=$2; shift 2
-    local t0=$(date +%s) rc
-    say "== $name: $*"
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    if ! selected "$name"; then record "$name" "skipped: not in GPU_CHECK_PARTS=$PARTS" 0; return 0; fi
+    local left=$(( BUDGET - ($(date +%s) - START) - KILL_AFTER - 5 ))
+    if [ "$left" -lt 15 ]; then
+        record "$name" "skipped: the run's ${BUDGET} s budget (GPU_CHECK_BUDGET_S) is spent" 0; return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    local t0 rc status
+    t0=$(date +%s)
+    say "== $name (limit ${limit} s): $*"
+    timeout --kill-after=$KILL_AFTER "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     tail -n 40 "$OUT/$name.log" >> "$LOG"
     local dt=$(( $(date +%s) - t0 ))
-    if [ $rc -eq 0 ]; then RESULTS+=("| $name | ok | ${dt} s |"); say "$name: ok (${dt} s)";
-    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then RESULTS+=("| $name | TIMEOUT after ${limit} s | ${dt} s |"); say "$name: timed out";
-    else RESULTS+=("| $name | FAILED (exit $rc) | ${dt} s |"); say "$name: failed (exit $rc), see $OUT/$name.log"; fi
+    if [ $rc -eq 0 ] && [ -n "${JUNIT:-}" ] && [ -f "$JUNIT" ]; then
+        local why
+        why=$("$PYTHON" - "$JUNIT" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+skips = [c.find("skipped") for c in cases]
+if cases and all(s is not None for s in skips):
+    print(" ".join(skips[0].get("message", "no reason given").split()))
+EOF
+)
+        [ -n "$why" ] && rc=77 && echo "skipped: $why" >> "$OUT/$name.log"
+    fi
+    if [ $rc -eq 0 ]; then status=ok
+    elif [ $rc -eq 77 ]; then status="skipped: $(grep '^skipped: ' "$OUT/$name.log" | tail -n 1 | cut -c 10- | tr '|' '/')"
+    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="FAILED (timed out after ${limit} s)"
+    else status="FAILED (exit $rc, see $name.log)"; fi
+    say "$name: $status (${dt} s)"
+    record "$name" "$status" "$dt"
     return 0
 }
 
-# -- 1. dependencies: install what is missing, never touching the installed torch ----------------
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    say "PyTorch is not importable with $PYTHON: install a CUDA build of torch first"; exit 1
-fi
-if ! "$PYTHON" -c "import megatron.core, hydra, omegaconf, einops, tokenizers, rich, pytest, psutil" 2>/dev/null; then
-    if [ "${GPU_CHECK_NO_INSTALL:-0}" = 1 ]; then
-        say "dependencies missing and GPU_CHECK_NO_INSTALL=1"; exit 1
-    fi
-    TORCH_VERSION=$("$PYTHON" -c "import torch; print(torch.__version__)")
-    echo "torch==$TORCH_VERSION" > "$OUT/constraints.txt"   # keeps pip from replacing torch
-    PIP_ARGS=(-m pip install --quiet -c "$OUT/constraints.txt" -e ".[dev]")
-    if [ -n "${WHEELS:-}" ]; then PIP_ARGS+=(--no-index --find-links "$WHEELS"); fi
-    say "installing the project's dependencies (torch pinned to $TORCH_VERSION)"
-    if ! "$PYTHON" "${PIP_ARGS[@]}" >> "$LOG" 2>&1; then
-        say "pip install failed (no network? set WHEELS=<folder of wheels>); see $LOG"; exit 1
-    fi
-fi
-
-# -- 2. what machine is this --------------------------------------------------------------------
-"$PYTHON" - > "$OUT/hardware.json" <<'EOF'
-import json
-from nvfp4_recipe.benchmarking import device_info
-print(json.dumps(device_info(), indent=2, default=str))
-EOF
-HAS_CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
-if [ "$HAS_CUDA" = 1 ]; then
-    MODE=gpu
-    say "CUDA device: $("$PYTHON" -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, f'cc {p.major}.{p.minor}')")"
-else
-    MODE=cpu
-    say "NO CUDA DEVICE: running the CPU rows only (quick bench, short demo); GPU results are NOT produced"
-fi
-
-if [ "$QUICK" = 1 ]; then
-    BENCH_ARGS=(--quick --repeats 1); DEMO_STEPS=${DEMO_STEPS:-2}; DEMO_SHAPE=(trainer.seq_length=64 trainer.global_batch_size=2 trainer.micro_batch_size=2)
-elif [ "$MODE" = gpu ]; then
-    BENCH_ARGS=(--train-models "${BENCH_TRAIN_MODELS:-demo,1b}"); DEMO_STEPS=${DEMO_STEPS:-50}; DEMO_SHAPE=()
-else
-    BENCH_ARGS=(--quick); DEMO_STEPS=${DEMO_STEPS:-4}; DEMO_SHAPE=(trainer.seq_length=128 trainer.global_batch_size=4 trainer.micro_batch_size=2)
-fi
-DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval_every=1000000
-             trainer.save_every=1000000 trainer.eval_batches=1 logger.mode=disabled run.resume=never "${DEMO_SHAPE[@]}")
-
-# -- 3. the parts ---------------------------------------------------------------------------------
-part cuda_tests 120 "$PYTHON" -m pytest -q -rs tests/test_cuda_numerics.py --junitxml="$OUT/cuda_tests.xml" -p no:cacheprovider
-part bench 330 "$PYTHON" -m launch.bench "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
-rm -rf "$OUT/demo_bf16" "$OUT/demo_nvfp4"
-part demo_bf16 120 "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"
-part demo_nvfp4 120 "$PYTHON" train.py precision=nvfp4 precision.backend=emulated run.dir="$OUT/demo_nvfp4" "${DEMO_COMMON[@]}"
-
-# -- 4. summary -----------------------------------------------------------------------------------
-{
-    echo "# gpu_check ($MODE mode$( [ "$QUICK" = 1 ] && echo ', quick'))"
-    echo
-    [ "$MODE" = cpu ] && echo "**No CUDA device was visible: these are CPU rows only; no GPU result was produced.**" && echo
-    echo "Started $(date -d @"$START" '+%F %T'), took $(( $(date +%s) - START )) s. Load average at end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)."
-    echo
-    echo "| part | status | time |"
-    echo "|---|---|---|"
-    printf '%s\n' "${RESULTS[@]}"
-    echo
-    "$PYTHON" - "$OUT" <<'EOF'
-import json, statistics, sys
+write_summary() {
+    {
+        echo "# gpu_check ($MODE mode$( [ "$QUICK" = 1 ] && echo ', quick'))"
+        echo
+        [ "$MODE" = cpu ] && echo "**No CUDA device was visible: these are CPU rows only; no GPU result was produced.**" && echo
+        echo "Started $(date -d @"$START" '+%F %T'), $(( $(date +%s) - START )) s so far (budget ${BUDGET} s). Load average: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)."
+        echo
+        echo "| part | status | time |"
+        echo "|---|---|---|"
+        printf '%s\n' "${RESULTS[@]}"
+        echo
+        [ -f "$OUT/deps.md" ] && cat "$OUT/deps.md" && echo
+        if [ -f "$OUT/ssd_triton.log" ] && grep -q "^mamba_chunk_scan_combined:" "$OUT/ssd_triton.log"; then
+            echo "## ssd_triton (relative L2 error vs the float64 PyTorch scan)"; echo; echo '```'
+            sed -n '/^mamba_chunk_scan_combined:/,$p' "$OUT/ssd_triton.log"; echo '```'; echo
+        fi
+        "$PYTHON" - "$OUT" <<'EOF'
+import json, re, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 for name in ("demo_bf16", "demo_nvfp4"):
-    path = out / name / "metrics.jsonl"
+    path, log = out / name / "metrics.jsonl", out / f"{name}.log"
+    if not log.exists():
+        continue
     if not path.exists():
         print(f"- {name}: no metrics.jsonl"); continue
     steps = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
@@ -122,13 +144,185 @@ for name in ("demo_bf16", "demo_nvfp4"):
         which = "steps 3+" if warm else "all steps, incl. warm-up"
         print(f"- {name}: {len(steps)} steps, loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}, "
               f"median tokens/s ({which}) {statistics.median(tps):,.0f}")
+    # what ran: the run's own config, then the trainer's account (layout, precision, optimizer)
+    config = out / name / "config.yaml"
+    if config.exists():
+        keys = {}
+        section = None
+        for line in config.read_text().splitlines():
+            if line and not line.startswith(" "):
+                section = line.rstrip(":")
+            elif section == "trainer" and line.strip().split(":")[0] in (
+                    "distributed_optimizer", "recompute", "recompute_method", "recompute_layers"):
+                k, v = line.strip().split(":", 1)
+                keys[k] = v.strip()
+        print("  - config: " + ", ".join(f"trainer.{k}={v}" for k, v in keys.items()))
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(("parallel:", "mixed precision:")) or re.match(r"precision \w+: ", line):
+            print(f"  - {line.strip()}")
 bench = out / "bench.md"
 if bench.exists():
     print("\n## bench\n")
     print(bench.read_text())
 EOF
-} > "$OUT/summary.md" 2>&1
+    } > "$OUT/summary.md.tmp" 2>&1
+    mv "$OUT/summary.md.tmp" "$OUT/summary.md"
+}
+
+# -- 1. dependencies ------------------------------------------------------------------------------
+# What the check imports: the project's dependencies (pyproject.toml) except torch (the machine's)
+# and wandb (imported only for logger modes other than `disabled`, training/metrics.py), plus
+# pytest; mamba-ssm too when the wheelhouse has it. Prints "have|install|require|missing NAME ...".
+deps_plan() {
+    "$PYTHON" - "${WHEELS:-}" <<'EOF'
+import importlib.metadata as md, re, sys, tomllib
+from pathlib import Path
+wheels_dir = sys.argv[1]
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # no packaging: any installed version counts
+    Requirement = None
+reqs = {norm(re.match(r"[A-Za-z0-9._-]+", r).group(0)): r
+        for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]}
+reqs = {n: r for n, r in reqs.items() if n not in ("torch", "wandb")} | {"pytest": "pytest"}
+def installed(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+def ok(name, version):
+    req = reqs.get(name)
+    return version is not None and (req is None or Requirement is None
+                                    or Requirement(req).specifier.contains(version, prereleases=True))
+if wheels_dir:
+    wheels = {norm(p.name.split("-")[0]): p for p in sorted(Path(wheels_dir).glob("*.whl"))}
+    for name, path in wheels.items():
+        v = installed(name)
+        print(f"have {name} {v}" if ok(name, v) else f"install {name} {path.resolve()}")
+    for name in reqs.keys() - wheels.keys():
+        v = installed(name)
+        print(f"have {name} {v}" if ok(name, v) else f"missing {name} {reqs[name]} (not in {wheels_dir})")
+else:
+    for name, req in reqs.items():
+        v = installed(name)
+        print(f"have {name} {v}" if ok(name, v) else f"require {name} {req}")
+EOF
+}
+
+deps() {
+    local t0 status=ok plan installs=() specs=() missing
+    t0=$(date +%s)
+    mkdir -p "$SITE"
+    if [ -n "${WHEELS:-}" ] && [ ! -d "$WHEELS" ]; then
+        status="FAILED (WHEELS=$WHEELS is not a folder; run make gpu-wheels)"
+    elif ! plan=$(deps_plan 2> "$OUT/deps.log"); then
+        status="FAILED (could not read the requirements, see deps.log)"
+    fi
+    if [ "$status" = ok ]; then
+        echo "$plan" > "$OUT/deps_plan.txt"
+        mapfile -t installs < <(awk '$1 == "install" {print $3}' <<< "$plan")
+        mapfile -t specs < <(awk '$1 == "require" {$1 = $2 = ""; print substr($0, 3)}' <<< "$plan")
+        if [ ${#installs[@]} -gt 0 ] || [ ${#specs[@]} -gt 0 ]; then
+            if [ "${GPU_CHECK_NO_INSTALL:-0}" = 1 ]; then
+                status="FAILED (missing and GPU_CHECK_NO_INSTALL=1: $(awk '$1 == "install" || $1 == "require" {print $2}' <<< "$plan" | tr '\n' ' '))"
+            elif [ ${#installs[@]} -gt 0 ]; then
+                # --no-deps: make gpu-wheels checked that the wheelhouse holds the whole closure
+                # (less tokenizers' and mamba-ssm's dependencies that the check does not use);
+                # --target keeps the machine's environment as it is.
+                say "installing offline into $SITE: $(awk '$1 == "install" {print $2}' <<< "$plan" | tr '\n' ' ')"
+                timeout $LIMIT_DEPS "$PYTHON" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check \
+                    --target "$SITE" "${installs[@]}" >> "$OUT/deps.log" 2>&1 \
+                    || status="FAILED (pip install from $WHEELS, see deps.log)"
+            else
+                local torch_version
+                torch_version=$("$PYTHON" -c "import torch; print(torch.__version__)")
+                echo "torch==$torch_version" > "$OUT/constraints.txt"  # keeps pip from replacing torch
+                say "installing from the index (torch pinned to $torch_version): ${specs[*]}"
+                timeout $LIMIT_DEPS "$PYTHON" -m pip install -c "$OUT/constraints.txt" "${specs[@]}" >> "$OUT/deps.log" 2>&1 \
+                    || status="FAILED (pip install failed: no network? make gpu-wheels, then WHEELS=.wheels; see deps.log)"
+            fi
+        fi
+        missing=$(awk '$1 == "missing" {print $2}' <<< "$plan" | paste -sd ' ')
+        [ -n "$missing" ] && [ "$status" = ok ] && status="FAILED (missing: $missing)"
+    fi
+    # What imports now (mamba_ssm only informs: launch/ssd_check.py decides what its part can do).
+    "$PYTHON" - "$SITE" > "$OUT/deps_imports.txt" 2>> "$OUT/deps.log" <<'EOF'
+import importlib, importlib.metadata as md, os, sys, warnings
+warnings.simplefilter("ignore")  # megatron warns about the absent TE/Apex; not our question here
+site = os.path.realpath(sys.argv[1])
+for module, dist in [("megatron.core", "megatron-core"), ("hydra", "hydra-core"), ("omegaconf", "omegaconf"),
+                     ("einops", "einops"), ("tokenizers", "tokenizers"), ("numpy", "numpy"), ("rich", "rich"),
+                     ("psutil", "psutil"), ("pytest", "pytest"), ("triton", "triton"), ("mamba_ssm", "mamba-ssm")]:
+    try:
+        version = md.version(dist)
+    except md.PackageNotFoundError:
+        version = None
+    try:
+        mod = importlib.import_module(module)
+        where = "installed by deps" if os.path.realpath(getattr(mod, "__file__", None) or "/").startswith(site) else "present"
+        print(f"ok {dist} {version} ({where})")
+    except Exception as exc:
+        print(f"FAILED {dist} {version or 'not installed'}: {type(exc).__name__}: {exc}")
+EOF
+    local broken
+    broken=$(awk '$1 == "FAILED" && $2 != "mamba-ssm" && $2 != "triton" {print $2}' "$OUT/deps_imports.txt" | paste -sd ' ')
+    grep -q '^ok megatron-core' "$OUT/deps_imports.txt" || broken="${broken:-the import check itself (see deps.log)}"
+    [ -n "$broken" ] && [ "$status" = ok ] && status="FAILED (does not import: $broken)"
+    {
+        echo "## dependencies (deps)"; echo
+        [ ${#installs[@]} -gt 0 ] && echo "Installed offline with --no-deps into \`$SITE\` (first on PYTHONPATH): $(awk '$1 == "install" {print $2}' <<< "$plan" | tr '\n' ' ')" && echo
+        [ ${#specs[@]} -gt 0 ] && echo "Installed from the index, torch pinned: ${specs[*]}" && echo
+        sed 's/^/- /' "$OUT/deps_imports.txt"
+    } > "$OUT/deps.md"
+    cat "$OUT/deps.md" >> "$LOG"
+    say "deps: $status"
+    record deps "$status" $(( $(date +%s) - t0 ))
+}
+
+# what deps installs (now or in an earlier run) comes first on every part's path
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if selected deps; then deps; else record deps "skipped: not in GPU_CHECK_PARTS=$PARTS" 0; fi
+
+# -- 2. what machine is this ----------------------------------------------------------------------
+"$PYTHON" - > "$OUT/hardware.json" 2>> "$LOG" <<'EOF'
+import json
+from nvfp4_recipe.benchmarking import device_info
+print(json.dumps(device_info(), indent=2, default=str))
+EOF
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+if [ "$MODE" = gpu ]; then
+    say "CUDA device: $("$PYTHON" -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, f'cc {p.major}.{p.minor}, torch {torch.__version__}, CUDA {torch.version.cuda}')")"
+else
+    say "NO CUDA DEVICE: CPU mode (CUDA tests and the SSD check skip, short demos, quick bench); GPU results are NOT produced"
+fi
+
+if [ "$QUICK" = 1 ]; then
+    BENCH_ARGS=(--quick --repeats 1); DEMO_STEPS=${DEMO_STEPS:-2}; DEMO_SHAPE=(trainer.seq_length=64 trainer.global_batch_size=2 trainer.micro_batch_size=2)
+elif [ "$MODE" = gpu ]; then
+    BENCH_ARGS=(--train-models "${BENCH_TRAIN_MODELS:-demo,1b}"); DEMO_STEPS=${DEMO_STEPS:-30}; DEMO_SHAPE=()
+else
+    BENCH_ARGS=(--quick); DEMO_STEPS=${DEMO_STEPS:-4}; DEMO_SHAPE=(trainer.seq_length=128 trainer.global_batch_size=4 trainer.micro_batch_size=2)
+fi
+# BF16 weights with FP32 main grads, megatron's DDP + distributed optimizer (DP=1 here) and, on
+# CUDA, megatron's forward-backward schedule (training/mixed_precision.py, training/pipeline.py),
+# full recompute of every layer.
+DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval_every=1000000
+             trainer.save_every=1000000 trainer.eval_batches=1 logger.mode=disabled run.resume=never
+             trainer.distributed_optimizer=true trainer.recompute=full "${DEMO_SHAPE[@]}")
+
+# -- 3. the parts ---------------------------------------------------------------------------------
+# the Triton SSD tests of test_cuda_numerics.py run in their own part (one Triton compile)
+JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$LIMIT_TESTS" "$PYTHON" -m pytest -q -rs tests/test_cuda_numerics.py \
+    -k "not triton_ssd" --junitxml="$OUT/cuda_tests.xml" -p no:cacheprovider
+part ssd_triton "$LIMIT_SSD" "$PYTHON" -m launch.ssd_check --json "$OUT/ssd_triton.json"
+part demo_bf16 "$LIMIT_DEMO_BF16" "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"
+part demo_nvfp4 "$LIMIT_DEMO_NVFP4" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \
+    run.dir="$OUT/demo_nvfp4" "${DEMO_COMMON[@]}"
+part bench "$LIMIT_BENCH" "$PYTHON" -m launch.bench "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
+
+# -- 4. summary -----------------------------------------------------------------------------------
+write_summary
 cat "$OUT/summary.md" | tee -a "$LOG"
 say "everything is in $OUT"
-for r in "${RESULTS[@]}"; do case "$r" in *"| ok |"*) ;; *) exit 1;; esac; done
-exit 0
+exit $FAILED

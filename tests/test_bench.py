@@ -105,10 +105,20 @@ def test_flops_and_peaks():
     from model.config import ModelConfig
     from nvfp4_recipe.benchmarking import bf16_peak_tflops
 
+    from model.flops import flops_per_token_terms
+
     cfg = ModelConfig(**HYBRID_1B)
     cfg.validate()
     per_token = flops_per_token(cfg, 4096, cfg.vocab_size)
     assert 6 * 1.0e9 < per_token < 6 * 1.6e9  # ~1.3B parameters in GEMMs + output layer
+    # MFU counts what the planner counts (model/flops.py), the SSD scan and conv1d included:
+    # 12 Mamba layers x 3 x [2*8*128*128 + 64 x (2*128*64 + 4*128*64)] = 19.3 MFLOP of scan.
+    terms = flops_per_token_terms(cfg, 4096, 131072)
+    assert per_token == terms["total"]
+    assert terms["ssd_scan"] == 12 * 3 * (2 * 8 * 128 * 128 + 64 * (2 * 128 * 64 + 4 * 128 * 64))
+    # The output layer runs at the padded vocabulary: 1000 tokens pad to 1024 (multiple 128).
+    small = ModelConfig(**{**HYBRID_1B, "vocab_size": 1000})
+    assert flops_per_token(small, 4096, 1000) == flops_per_token_terms(small, 4096, 1024)["total"]
     assert bf16_peak_tflops("NVIDIA H200")[0] == 989.0
     assert bf16_peak_tflops("NVIDIA H100 PCIe")[0] == 756.0
     assert bf16_peak_tflops("NVIDIA GB200")[0] == 2500.0
@@ -119,18 +129,35 @@ def test_flops_and_peaks():
 
 @pytest.mark.slow
 def test_gpu_check_cpu_quick_mode_writes_its_folder(tmp_path, data_cache):
+    import re
+
     out = tmp_path / "gpu_check"
     proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
                           env={**ENV, "OUT": str(out), "GPU_CHECK_QUICK": "1",
                                "PYTHON": sys.executable, "GPU_CHECK_NO_INSTALL": "1",
+                               "GPU_CHECK_SITE": str(tmp_path / "site"),
                                "NVFP4_CACHE": str(data_cache)},
                           timeout=400)
     summary = (out / "summary.md").read_text()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    for name in ("gpu_check.log", "hardware.json", "bench.json", "bench.md", "cuda_tests.xml",
+                 "cuda_tests.log", "ssd_triton.json", "demo_bf16/metrics.jsonl", "demo_nvfp4/metrics.jsonl"):
+        assert (out / name).exists(), name
+    # one row per part, in order, each with its status
+    rows = re.findall(r"^\| (\w+) \| (.+) \| \d+ s \|$", summary, flags=re.M)
+    assert [name for name, _ in rows] == ["deps", "cuda_tests", "ssd_triton", "demo_bf16", "demo_nvfp4", "bench"]
+    status = dict(rows)
+    assert status["deps"] == "ok" and "- ok megatron-core" in summary
     if not torch.cuda.is_available():
         assert "NO CUDA DEVICE" in proc.stdout and "No CUDA device was visible" in summary
-    for name in ("gpu_check.log", "hardware.json", "bench.json", "bench.md", "cuda_tests.xml",
-                 "cuda_tests.log", "demo_bf16/metrics.jsonl", "demo_nvfp4/metrics.jsonl"):
-        assert (out / name).exists(), name
-    assert "| bench | ok |" in summary and "| demo_nvfp4 | ok |" in summary
-    assert "median tokens/s" in summary
+        # skipped with the reason, not passed and not failed
+        assert status["cuda_tests"] == "skipped: needs a CUDA device (none visible to torch)"
+        assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
+    for part in ("demo_bf16", "demo_nvfp4", "bench"):
+        assert status[part] == "ok", (part, status[part])
+    # each demo is summarised, and ran on BF16 weights with the distributed optimizer and full recompute
+    for demo in ("demo_bf16", "demo_nvfp4"):
+        assert re.search(rf"- {demo}: 2 steps, loss [0-9.]+ -> [0-9.]+, median tokens/s", summary), demo
+    assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 2
+    assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 2
+    assert "precision nvfp4: emulated GEMMs" in summary and "## bench" in summary

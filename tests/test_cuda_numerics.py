@@ -4,8 +4,10 @@ Quantizers (NVFP4 1x16 / 16x16 nearest, MXFP4, FP8 block) must agree bit for bit
 amax. Stochastic rounding draws from a device-specific RNG, so CPU and CUDA draws are not
 comparable: on CUDA we check SR's own properties (only the two grid neighbours, unbiased on
 average, reproducible with a seeded CUDA generator). The emulated linear's quantized GEMM operands
-must be identical; its output may differ only by FP32 summation order.
-Skipped without CUDA (the whole module); run on a GPU machine by launch/gpu_check.sh.
+must be identical; its output may differ only by FP32 summation order. mamba_ssm's Triton SSD scan
+agrees with the PyTorch scan the mixer falls back to (launch/ssd_check.py: tolerances and why).
+Skipped without CUDA (the whole module); run on a GPU machine by launch/gpu_check.sh (the SSD
+tests there as their own part, `python -m launch.ssd_check`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)"),
 ]
 
+from launch import ssd_check  # noqa: E402
 from nvfp4_recipe import NVFP4Config, nvfp4_linear, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from nvfp4_recipe.hadamard import random_hadamard_transform  # noqa: E402
 from nvfp4_recipe.nvfp4 import nvfp4_scaled_values  # noqa: E402
@@ -168,3 +171,22 @@ def test_sr_with_cpu_generator_on_cuda_tensor_is_rejected_clearly():
     x = torch.randn(32, 64, device=CUDA)
     with pytest.raises(RuntimeError):
         quantize_nvfp4(x, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case,dtype", [(c, d) for c in ssd_check.CASES for d in c.dtypes],
+                         ids=lambda v: getattr(v, "name", str(v).replace("torch.", "")))
+def test_triton_ssd_matches_pytorch_scan(case, dtype, record_property):
+    """mamba_chunk_scan_combined, called as the mixer calls it, gives the PyTorch scan's y and
+    gradients (each within the dtype's relative-L2 tolerance of a float64 run)."""
+    fn, how = ssd_check.load_triton_ssd()
+    if fn is None:
+        pytest.skip(how)
+    r = ssd_check.compare(fn, case, dtype)
+    record_property("how", how)
+    for name, err in r["errors"].items():
+        record_property(f"rel_l2_{name}", f"triton {err['triton']:.2e}, pytorch {err['pytorch']:.2e}")
+    tol = r["tolerance"]
+    beyond = {k: f"{e['triton']:.2e}" for k, e in r["errors"].items() if not e["triton"] <= tol}
+    assert not beyond, f"Triton SSD beyond {tol:.0e} (relative L2 vs float64): {beyond}"
+    # the fallback itself stays within the same bound (it is what the mixer runs without mamba_ssm)
+    assert all(e["pytorch"] <= tol for e in r["errors"].values()), r["errors"]
