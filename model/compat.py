@@ -40,8 +40,10 @@ import torch
 
 
 def hybrid_model_class():
-    try:
-        from megatron.core.models.hybrid import HybridModel  # megatron-core >= 0.18
+    try:  # megatron-core >= 0.18. Its package __init__ re-exports nothing (core_v0.18.0 and
+        # core_v0.19.x models/hybrid/__init__.py), and models.mamba.MambaModel stays as a
+        # deprecated subclass: import the module.
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
 
         return HybridModel
     except ImportError:

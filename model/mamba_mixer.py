@@ -293,6 +293,7 @@ class MambaMixer(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
         pp_layer_offset: int = 0,
         use_kernels: Optional[bool] = None,
+        name: Optional[str] = None,  # megatron >= 0.18 passes the module's name (unused here)
     ):
         super().__init__(config)
         if D_has_hdim:

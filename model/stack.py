@@ -83,10 +83,12 @@ class HybridStack(base_stack_class()):  # megatron-core's MambaStack / HybridSta
             torch.manual_seed(base_seed + 1 + offset + i)
             with self.layer_contexts[i]():
                 if kind == "mamba":
+                    # residual_in_fp32 left MambaLayer in core_v0.17.1 (ssm/mamba_layer.py:67-74);
+                    # 0.16.1's default (False) is what every release does without it.
+                    extra = {"residual_in_fp32": True} if residual_in_fp32 else {}
                     layer = build_module(
-                        spec, config=config, residual_in_fp32=residual_in_fp32,
-                        layer_number=offset + i + 1, pp_layer_offset=offset,
-                        pg_collection=pg_collection,
+                        spec, config=config, layer_number=offset + i + 1,
+                        pp_layer_offset=offset, pg_collection=pg_collection, **extra,
                     )
                 else:
                     # TransformerLayer adds the pipeline offset to layer_number itself.

@@ -22,7 +22,7 @@ from train_helpers import FAST, read_metrics, run_train
 from training.checkpoint import (MANIFEST, NoUsableCheckpoint, _apply_retention,
                                  find_resume_checkpoint, set_aside_for_restart)
 from training.distributed import ParallelContext
-from training.safe_load import CheckpointRefused, read_metadata_safely, strategies
+from training.safe_load import CheckpointRefused, load_dist_checkpoint, read_metadata_safely
 
 SINGLE = ParallelContext(world_size=1, rank=0, tensor=1, pipeline=1, data=1, tensor_rank=0,
                          pipeline_rank=0, data_rank=0, device=torch.device("cpu"))
@@ -85,12 +85,11 @@ def _save_small_dist_checkpoint(directory: Path) -> dict:
 
 
 def _load_small(directory: Path) -> dict:
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     template = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4)),
                 "extra": ShardedObject("extra", None, (1,), (0,), replica_id=0)}
-    return dist_checkpointing.load(template, str(directory), **strategies())
+    return load_dist_checkpoint(template, directory)  # what training/checkpoint.py calls
 
 
 def test_safe_strategies_load_what_megatron_saved(tmp_path, megatron_single_process):  # noqa: F811

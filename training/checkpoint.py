@@ -267,11 +267,10 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
 
     `model` is the unwrapped megatron model whose parameters the optimizer was built on.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .safe_load import strategies, vet_extra_state
+    from .safe_load import load_dist_checkpoint, vet_extra_state
 
     manifest = json.loads((path / MANIFEST).read_text())
     saved_format = manifest.get("optimizer_format", optimizer_format)
@@ -282,8 +281,8 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
             "trainer.distributed_optimizer (on GPUs megatron's two optimizers differ)")
     trainer = _load_pt(path / "trainer.pt")
     try:
-        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
-                                         str(path / "dist"), **strategies())
+        loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True),
+                                      path / "dist")
     except (CheckpointingException, CheckpointException, KeyError) as exc:
         # megatron's shape check (strategies/torch.py:503-518) and torch's per-rank failures
         # (torch/distributed/checkpoint/utils.py:194-221) come back as one of these

@@ -33,8 +33,14 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-from megatron.core.dist_checkpointing.strategies.common import (COMMON_STATE_FNAME,
-                                                                TorchCommonLoadStrategy)
+
+try:  # megatron-core <= 0.18: common state in dist/common.pt, loaded by a common strategy
+    from megatron.core.dist_checkpointing.strategies.common import (COMMON_STATE_FNAME,
+                                                                    TorchCommonLoadStrategy)
+except ImportError:  # >= 0.19: a "common_state" ShardedObject in the .distcp files
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    TorchCommonLoadStrategy = None
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -138,7 +144,8 @@ def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
 class SafeTorchDistLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
     """megatron's TorchDistLoadShardedStrategy reading through SafeFileSystemReader."""
 
-    def load(self, sharded_state_dict, checkpoint_dir: Path):
+    def load(self, sharded_state_dict, checkpoint_dir: Path, async_strategy: str = "mcore"):
+        # (core_v0.19 passes async_strategy, which only picks its reader: ours reads files.)
         # megatron's TorchDistLoadShardedStrategy.load (strategies/torch.py:770-821) with our
         # reader and planner in place of `_get_filesystem_reader` and `MCoreLoadPlanner`.
         flexible_shape_sharded_tensors = [
@@ -193,7 +200,7 @@ class SafeTorchDistLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         return sharded_metadata
 
 
-class SafeTorchCommonLoadStrategy(TorchCommonLoadStrategy):
+class _SafeCommonLoad:
     """megatron's common.pt loader, weights_only=True spelled out (strategies/common.py:74-98)."""
 
     def load_common(self, checkpoint_dir: Union[str, Path]):
@@ -251,8 +258,63 @@ def vet_extra_state(model_state: Any, where: Path, key: str = "") -> None:
                                     "foreign checkpoint; nothing in it was run)") from None
 
 
+SafeTorchCommonLoadStrategy = (type("SafeTorchCommonLoadStrategy",
+                                    (_SafeCommonLoad, TorchCommonLoadStrategy), {})
+                               if TorchCommonLoadStrategy is not None else None)
+
+
+def vet_pickled_objects(checkpoint_dir: Union[str, Path]) -> None:
+    """Unpickle, safely, everything pickled in a torch_dist checkpoint before megatron does.
+
+    megatron-core >= 0.19 reads the common state before any load strategy runs
+    (`load_common_state_dict`, core_v0.19.0 dist_checkpointing/serialization.py:148, :206-238):
+    torch's FileSystemReader `pickle.load`s `.metadata` and its DefaultLoadPlanner loads the
+    "common_state" bytes with `torch.load(weights_only=False)` (default_planner.py:382-393).
+    So the metadata goes through the allow-listed unpickler and every bytes object through
+    `weights_only=True` here first: what passes names only allowed classes, and unpickling the
+    same bytes again runs nothing else. Raises CheckpointRefused."""
+    common = Path(checkpoint_dir) / COMMON_STATE_FNAME  # <= 0.18, or a legacy one in 0.19
+    if common.exists():
+        _SafeCommonLoad().load_common(checkpoint_dir)
+    reader = SafeFileSystemReader(checkpoint_dir)
+    metadata = reader.read_metadata()
+    objects = {key: io.BytesIO() for key, item in metadata.state_dict_metadata.items()
+               if isinstance(item, BytesStorageMetadata)}
+    if not objects:
+        return
+    planner = _SafeBytesPlanner()
+    try:
+        dcp.load(objects, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        cause = unwrap_checkpoint_exception(exc)
+        raise cause if isinstance(cause, Exception) else exc from None
+
+
+class _SafeBytesPlanner(dcp.DefaultLoadPlanner):
+    """Loads each bytes object with weights_only=True (and keeps nothing)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise CheckpointRefused(f"refusing {read_item.dest_index.fqn} in the checkpoint's "
+                                    f".distcp files: {first}") from None
+
+
 def strategies() -> dict:
-    """Keyword arguments for `dist_checkpointing.load`."""
-    return {"sharded_strategy": SafeTorchDistLoadStrategy(),
-            "common_strategy": SafeTorchCommonLoadStrategy()}
+    """Keyword arguments for `dist_checkpointing.load` (call `vet_pickled_objects` first)."""
+    kwargs = {"sharded_strategy": SafeTorchDistLoadStrategy()}
+    if SafeTorchCommonLoadStrategy is not None:  # megatron-core <= 0.18
+        kwargs["common_strategy"] = SafeTorchCommonLoadStrategy()
+    return kwargs
+
+
+def load_dist_checkpoint(sharded_state_dict, checkpoint_dir: Union[str, Path]):
+    """megatron's `dist_checkpointing.load`, with nothing in the checkpoint able to run code:
+    every pickle vetted first, then loaded through the safe strategies."""
+    from megatron.core import dist_checkpointing
+
+    vet_pickled_objects(checkpoint_dir)
+    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), **strategies())
 
