@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import shutil
 import subprocess
 import sys
@@ -101,10 +102,16 @@ def test_array_shards_equal_one_process_and_a_killed_task_is_redone_alone(slurm,
     try:
         # kill task 1 once it is writing (its temporaries exist), as a node loss or scancel would
         deadline = time.monotonic() + 240
-        while not list(out.parent.glob("web_shard1.tmp-*")):
+        while not (temporaries := list(out.parent.glob("web_shard1.tmp-*"))):
             assert time.monotonic() < deadline, "task 1 never started writing"
             assert not shards[1].with_suffix(".idx").exists(), "task 1 finished before it could be killed"
             time.sleep(0.02)
+        # A shard takes ~2 s on an idle machine, less than scancel may take to deliver its
+        # signal: freeze the writer first (its pid is in its temporaries' names, data/indexed.py
+        # writer_tag; the local Slurm runs on this host). scancel sends SIGCONT with its SIGTERM.
+        writer = int(temporaries[0].name.split(".tmp-", 1)[1].split("@", 1)[0])
+        os.kill(writer, signal.SIGSTOP)
+        assert not shards[1].with_suffix(".idx").exists(), "task 1 finished before it could be killed"
         subprocess.run(["scancel", f"{job}_1"], check=True)
         _wait_gone(job, 240)
     finally:
