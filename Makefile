@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # On a CPU-only machine pin the local CPU wheel of torch; a GPU machine brings its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup train test test-fast bench gpu-check gpu-wheels ablations clean
+.PHONY: setup train test test-fast bench gpu-check gpu-wheels ablations components clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,8 @@ gpu-wheels: setup  ## download the offline wheelhouse for launch/gpu_check.sh in
 ablations: setup
 	$(PY) -m launch.ablations $(ARGS)
 
+components: setup  ## the component study on captured tensors -> docs/components/ (~10 min on 2 cores)
+	$(PY) -m launch.components $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,252 @@
+"""The component study (launch/components.py, issue 18).
+
+Its GEMMs are the recipe's (bit for bit against `quantized_linear`), its quantizers agree with the
+independent reference on captured tensors, its capture records what the GEMMs saw, and on small
+tensors captured from the demo model each effect that theory guarantees points the right way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from launch import components as C
+from nvfp4_recipe import MXFP4Config, NVFP4Config, quantized_linear
+from train_helpers import REPO
+
+SEQ, BATCH, VOCAB = 64, 2, 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_quantizers():
+    """The same bits as the compiled kernels (nvfp4_recipe.kernels), without compiling them here."""
+    saved, C.KERNELS = C.KERNELS, "eager"
+    yield
+    C.KERNELS = saved
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from training.distributed import init_distributed, shutdown
+
+    context = init_distributed(1, 1, "gloo")
+    yield context
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo(ctx):
+    """The demo model's layers, one of each kind (pattern M*-, BF16 as the study trains), after one
+    forward/backward of 2 x 64 tokens, with every linear's x, W and dY captured."""
+    from model.build import build_model
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import PrecisionConfig
+    from training.config import TrainerConfig
+    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+    from training.pipeline import run_micro_batches
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, pattern="M*-")
+    core = build_model(cfg, PrecisionConfig(), vocab_size=VOCAB, backend="emulated",
+                       params_dtype=PARAMS_DTYPE).module
+    model, _ = build_data_parallel_model(core, TrainerConfig(), ctx)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
+    modules = C.precision_linears(core)
+    capture = C.Capture(modules)
+    capture.active = True
+    model.zero_grad_buffer()
+    run_micro_batches(model, [batch], ctx, (SEQ, BATCH, cfg.hidden_size))
+    capture.active = False
+    tensors = capture.take()
+    capture.remove()
+    grads = {n: m.weight.main_grad.clone() for n, m in modules.items()}
+    model.zero_grad_buffer()
+    return SimpleNamespace(cfg=cfg, model=model, ctx=ctx, modules=modules, batch=batch,
+                           tensors=tensors, grads=grads,
+                           activation_shape=(SEQ, BATCH, cfg.hidden_size))
+
+
+@pytest.fixture(scope="module")
+def measured(demo):
+    """measure_linear on every captured linear (a few seconds with eager quantizers)."""
+    return {n: C.measure_linear(r["x"], r["w"], r["dy"], n) for n, r in demo.tensors.items()}
+
+
+def test_t_quantiles_and_intervals():
+    # Student-t 0.975 quantiles from tables
+    for df, want in ((1, 12.706), (2, 4.303), (11, 2.201), (30, 2.042)):
+        assert C.t_quantile(0.975, df) == pytest.approx(want, abs=1e-3)
+    ci = C.interval([1.0, 2.0, 3.0])
+    assert ci["mean"] == 2.0 and ci["n"] == 3
+    assert ci["hi"] - 2.0 == pytest.approx(4.303 * 1.0 / math.sqrt(3), abs=1e-3)
+    assert not C.excludes_zero(ci) and C.excludes_zero(C.interval([2.0, 2.1, 1.9]))
+    neg = C.negated(ci)
+    assert (neg["lo"], neg["mean"], neg["hi"]) == (-ci["hi"], -2.0, -ci["lo"])
+    assert C.interval([5.0])["lo"] is None  # no interval from one value
+
+
+@pytest.mark.parametrize("fmt,rht,sr,weight_2d", [
+    ("nvfp4", True, True, True), ("nvfp4", False, True, False), ("nvfp4", True, False, False),
+    ("nvfp4", False, False, True), ("mxfp4", False, False, False)])
+def test_study_gemms_are_the_recipes_gemms(fmt, rht, sr, weight_2d):
+    """Fprop, Dgrad and Wgrad composed from the public quantizers equal quantized_linear's output
+    and gradients bit for bit (FP32 GEMM), SR draws included: the study measures the recipe."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, 64, generator=gen).bfloat16()  # T = 48: Wgrad pads T for MXFP4's 32
+    w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
+    dy = (torch.randn(3, 16, 96, generator=gen) * 1e-3).bfloat16()
+    config = (NVFP4Config(rht=rht, stochastic_rounding=sr, weight_2d=weight_2d, gemm="exact",
+                          kernels="eager") if fmt == "nvfp4" else MXFP4Config(gemm="exact"))
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = quantized_linear(xr, wr, None, config, torch.Generator().manual_seed(5))
+    y.backward(dy)
+
+    gemms = C.Gemms(fmt, rht, sr, weight_2d)
+    x2d, dy2d = x.reshape(-1, 64), dy.reshape(-1, 96)
+    draws = torch.Generator().manual_seed(5)  # the backward draws Dgrad's SR first, then Wgrad's
+    assert torch.equal(gemms.fprop(x2d, w).bfloat16(), y.reshape(-1, 96))
+    assert torch.equal(gemms.dgrad(dy2d, w, draws).bfloat16(), xr.grad.reshape(-1, 64))
+    assert torch.equal(gemms.wgrad(dy2d, x2d, draws).bfloat16(), wr.grad)
+
+
+def test_capture_records_what_each_gemm_saw(demo):
+    assert len(demo.tensors) == 6  # 3 pattern layers x 2 linears
+    for name, rec in demo.tensors.items():
+        module = demo.modules[name]
+        assert rec["x"].shape == (SEQ, BATCH, module.weight.shape[1]), name
+        assert rec["dy"].shape == (SEQ, BATCH, module.weight.shape[0]), name
+        assert torch.equal(rec["w"], module.weight.detach().bfloat16()), name
+        # the weight's own gradient (a BF16 GEMM, FP32 main grad) is dY^T x of what was captured
+        dw = rec["dy"].reshape(-1, rec["dy"].shape[-1]).float().t() @ \
+            rec["x"].reshape(-1, rec["x"].shape[-1]).float()
+        assert C.rel(demo.grads[name], dw) < 1e-2, name  # within BF16 rounding of the GEMM
+
+
+def test_quantizers_agree_with_the_reference_on_captured_slices(demo):
+    ref = C.load_reference()
+    assert ref is not None
+    rows = []
+    for name in ("layers.0.mixer.in_proj", "layers.1.self_attention.linear_proj"):
+        for role in ("x", "w", "dy"):
+            t = demo.tensors[name][role]
+            rows += C.reference_check(ref, t.reshape(-1, t.shape[-1])[:32, :64], f"{name} {role}")
+    assert len(rows) == 18 and all(r["max_abs_diff"] == 0.0 for r in rows), rows
+
+
+def test_stochastic_rounding_bias_shrinks_with_draws_while_nearest_stays(measured):
+    """E[SR(v)] = v: the mean of N independent draws approaches the exact operand as 1/sqrt(N);
+    nearest rounding returns the same tensor every time, so its bias cannot shrink. A single SR
+    draw errs more than nearest (per element (v - lo)(hi - v) >= min(v - lo, hi - v)^2)."""
+    for name, m in measured.items():
+        nearest = [m[f"repeat/nearest/{n}"] for n in C.REPEAT_NS]
+        assert len(set(nearest)) == 1 and nearest[0] > 0, name
+        sr_1, sr_32 = m["repeat/sr/1"], m["repeat/sr/32"]
+        assert sr_1 > nearest[0], name
+        assert sr_32 < 0.35 * sr_1, name  # 1/sqrt(32) = 0.18, with room for sampling
+        assert sr_32 < nearest[0], name
+
+
+def test_2d_weights_give_fprop_and_dgrad_one_weight(measured):
+    """16x16 tiles are transpose-symmetric: Dgrad uses Fprop's weight exactly. Two 1x16 copies
+    (along K, along N) round differently, so the 1x16 Dgrad output departs further from the
+    gradient of what Fprop computed (same dY draws in both). The price: a tile's scale is the max
+    of 16 rows' block scales, so the 16x16 copy is the coarser one."""
+    for name, m in measured.items():
+        assert m["w_mismatch/2d"] == 0.0, name
+        assert m["w_mismatch/1d"] > 0.05, name
+        assert m["dx_consistency/2d"] < m["dx_consistency/1d"], name
+        assert m["w_err/2d"] > m["w_err/fprop_1d"], name
+
+
+def test_nvfp4_quantizes_every_operand_more_accurately_than_mxfp4(measured):
+    """Half the block (16 vs 32) and an E4M3 scale fitted to each block's max (MXFP4's power-of-
+    two scale, rounded up, wastes up to a binade of the 4-bit grid)."""
+    for name, m in measured.items():
+        for role in ("x", "w", "dy"):
+            assert m[f"operand_err/{role}/nvfp4"] < m[f"operand_err/{role}/mxfp4"], (name, role)
+
+
+def test_rht_changes_nothing_but_the_quantization_and_spreads_outliers(demo):
+    """H is orthogonal (block-diagonal over runs of 16 tokens), so unquantized the RHT leaves dW
+    unchanged; on operands with outlier tokens it mixes each outlier into its block, lowering the
+    kurtosis along T and the share of small values flushed to zero."""
+    rec = demo.tensors["layers.0.mixer.in_proj"]
+    x2d, dy2d = rec["x"].reshape(-1, rec["x"].shape[-1]), rec["dy"].reshape(-1, rec["dy"].shape[-1])
+    g = C.Gemms()
+    exact = dy2d.float().t() @ x2d.float()
+    assert C.rel(g.wgrad_source(dy2d) @ g.wgrad_source(x2d).t(), exact) < 1e-5
+
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(256, 64, generator=gen)
+    t[::16] *= 30.0  # one outlier token per 16-run, as attention-sink / rare-token gradients are
+    plain, rht = C.Gemms(rht=False).wgrad_source(t), g.wgrad_source(t)
+    assert C.kurtosis_rows(rht) < 0.5 * C.kurtosis_rows(plain)
+    flushed_plain = C.flushed(plain, C.nvfp4_operand(plain))
+    flushed_rht = C.flushed(rht, C.nvfp4_operand(rht))
+    assert flushed_plain > 0.3 and flushed_rht < 0.5 * flushed_plain
+    # The report's reading of its RHT result: when the energy sits in the outlier tokens, which a
+    # block scale fitted to them keeps almost exact, spreading them costs Wgrad accuracy.
+    x = torch.randn(256, 32, generator=gen)
+    errors = [C.rel(C.Gemms(rht=on, sr=False).wgrad(t, x), t.t() @ x) for on in (False, True)]
+    assert errors[1] > 1.1 * errors[0]
+
+
+def test_recipe_maps_and_one_layer_quantized_alone(demo):
+    """The BF16 first/last layers come from the recipes' own policy (the demo's 9 layers);
+    quantizing one layer of the model perturbs its gradient, and leaving the context restores
+    BF16 exactly."""
+    from model.config import ModelConfig
+
+    nine = ModelConfig(vocab_size=VOCAB)
+    recipe = C.recipe_configs("nvfp4", nine)
+    assert sorted({C.layer_index(n) for n, c in recipe.items() if c is None}) == [0, 7, 8]
+    assert all(c is not None for c in C.recipe_configs("nvfp4_no_bf16_layers", nine).values())
+    assert all(isinstance(c, MXFP4Config) for n, c in C.recipe_configs("mxfp4", nine).items()
+               if C.layer_index(n) not in (0, 7, 8))
+
+    base_loss, base_grad = C.loss_and_grad(demo, demo.batch, 0)
+    attention = {n: NVFP4Config(kernels="eager") for n in demo.modules if C.layer_index(n) == 1}
+    with C.gemm_configs(demo.modules, attention):
+        assert all((m.gemm_config is not None) == (C.layer_index(n) == 1)
+                   for n, m in demo.modules.items())
+        loss, grad = C.loss_and_grad(demo, demo.batch, 0)
+    assert loss != base_loss and C.rel(grad, base_grad) > 1e-3
+    assert all(m.gemm_config is None for m in demo.modules.values())
+    again_loss, again_grad = C.loss_and_grad(demo, demo.batch, 0)
+    assert again_loss == base_loss and torch.equal(again_grad, base_grad)
+
+
+@pytest.mark.slow  # trains 12 steps and runs every measurement: ~2-3 min on 2 cores
+def test_the_command_writes_the_report(tmp_path, data_cache):
+    out = tmp_path / "components"
+    env = {**os.environ, "NVFP4_CACHE": str(data_cache), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "launch.components", "--steps", "12", "--batches", "1",
+           "--model-batches", "1", "--sr-steps", "1", "--sr-seeds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    readme = (out / "README.md").read_text()
+    for section in ("## Headline", "## 1. Random Hadamard", "## 2. Stochastic rounding",
+                    "## 3. 2D", "## 4. BF16 first / last", "## 5. NVFP4 vs MXFP4",
+                    "## 6. The recipe variants", "## How it was run"):
+        assert section in readme, section
+    for png in ("rht.png", "sr.png", "weight2d.png", "layers.png", "formats.png"):
+        assert (out / png).stat().st_size > 10_000, png
+    res = json.loads((out / "results.json").read_text())
+    assert len(res["batches"]) == 3 and len(res["model"]) == 3
+    assert res["reference_check"] and all(r["max_abs_diff"] == 0 for r in res["reference_check"])
+    variants = {v: res["summary"]["variants"][v] for v in C.VARIANTS}
+    assert all(v["grad_err"]["mean"] > 0 for v in variants.values())
+    # forward-only ingredients: RHT and SR act on the backward, so the loss is the recipe's
+    assert variants["nvfp4_no_rht"]["dloss"]["mean"] == variants["nvfp4"]["dloss"]["mean"]
+    # the report rebuilds from results.json alone
+    subprocess.run([sys.executable, "-m", "launch.components", "--report-only", "--out", str(out)],
+                   cwd=REPO, env=env, check=True, capture_output=True)
+    assert (out / "README.md").read_text() == readme
