@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import shutil
 import subprocess
 import sys
 import time
@@ -32,17 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "launch" / "prepare.sbatch"
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega").split()
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.skip("no Slurm client installed (start one with: eval \"$(.ci/slurm-up.sh)\")")
-    if not os.environ.get("SLURM_CONF"):
-        pytest.skip("SLURM_CONF is not set (start a local Slurm with: eval \"$(.ci/slurm-up.sh)\")")
-    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    if state.returncode != 0 or not state.stdout.split():
-        pytest.skip(f"Slurm does not answer: {state.stderr.strip() or 'no nodes'}")
 
 
 def test_prepare_sbatch_parses():

@@ -8,7 +8,6 @@ The Slurm tests skip themselves unless `sinfo` is installed, SLURM_CONF is set a
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,18 +32,6 @@ def launcher_env(run_dir: Path, cache: Path, **extra: str) -> dict:
 
 def train_steps(run_dir: Path) -> list[int]:
     return [m["step"] for m in read_metrics(run_dir) if "loss" in m]
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    """The local Slurm of .ci/slurm-up.sh (or any Slurm the environment points at)."""
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.skip("no Slurm client installed (start one with: eval \"$(.ci/slurm-up.sh)\")")
-    if not os.environ.get("SLURM_CONF"):
-        pytest.skip("SLURM_CONF is not set (start a local Slurm with: eval \"$(.ci/slurm-up.sh)\")")
-    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    if state.returncode != 0 or not state.stdout.split():
-        pytest.skip(f"Slurm does not answer: {state.stderr.strip() or 'no nodes'}")
 
 
 def test_launcher_scripts_parse():
