@@ -1109,17 +1109,20 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
     files.append("sr.png")
 
     # 2D weights
+    def weight2d_bars(ax, bars):  # four bars per layer kind, one per (metric, label, color)
+        for k, (metric, label, color) in enumerate(bars):
+            for i, kind in enumerate(KINDS):
+                m, e = err(s["w2d"][kind][metric])
+                ax.bar(i + (k - 1.5) * 0.2, m, 0.2, yerr=e, color=color, capsize=2,
+                       label=label if i == 0 else None)
+        ax.set_xticks(list(xs), KINDS, rotation=20, fontsize=8)
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8))
     bars = [("w_mismatch/1d", "Fprop vs Dgrad copy, 1x16", "tab:red"),
             ("w_err/fprop_1d", "Fprop copy 1x16 (along K)", "tab:orange"),
             ("w_err/dgrad_1d", "Dgrad copy 1x16 (along N)", "tab:olive"),
             ("w_err/2d", "16x16 copy (both)", "tab:blue")]
-    for k, (metric, label, color) in enumerate(bars):
-        for i, kind in enumerate(KINDS):
-            m, e = err(s["w2d"][kind][metric])
-            a1.bar(i + (k - 1.5) * 0.2, m, 0.2, yerr=e, color=color, capsize=2,
-                   label=label if i == 0 else None)
-    a1.set_xticks(list(xs), KINDS, rotation=20, fontsize=8)
+    weight2d_bars(a1, bars)
     a1.set_ylabel("relative to ||W|| (%)")
     a1.set_title("Weight copies: error and Fprop/Dgrad mismatch (16x16: 0)")
     a1.legend(fontsize=8)
@@ -1127,12 +1130,7 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
             ("dx_consistency/2d", "dX vs dY·W_fprop, 16x16", "tab:blue"),
             ("dx_err/1d", "dX vs dY·W (exact), 1x16", "tab:orange"),
             ("dx_err/2d", "dX vs dY·W (exact), 16x16", "tab:cyan")]
-    for k, (metric, label, color) in enumerate(bars):
-        for i, kind in enumerate(KINDS):
-            m, e = err(s["w2d"][kind][metric])
-            a2.bar(i + (k - 1.5) * 0.2, m, 0.2, yerr=e, color=color, capsize=2,
-                   label=label if i == 0 else None)
-    a2.set_xticks(list(xs), KINDS, rotation=20, fontsize=8)
+    weight2d_bars(a2, bars)
     a2.set_ylabel("relative error of dX (%)")
     a2.set_title("Dgrad output: 1x16 vs 16x16 weights (same dY draws)")
     a2.legend(fontsize=8)
