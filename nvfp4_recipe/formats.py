@@ -28,7 +28,7 @@ _ONE_BITS = 0x3F800000  # float32 1.0
 # max(|v|, 1) gives the "magic" constant whose ulp is the E2M1 grid step at |v|.
 _MAGIC_OFFSET = 0x0B400000
 _ONE_ULP_EXPONENT = 1 << 23
-_TWO_TO_127_BITS = 0x7F000000  # bits(2**k) + bits(2**-k) for the step's reciprocal
+_TWO_TO_127_BITS = 0x7F000000  # bits(2**k) + bits(2**-k): the step's reciprocal, exactly
 
 # Scratch buffers of the element kernels hold at most this many elements (4 MiB in float32): a
 # chunk's ~6 buffers stay in the last-level cache, and each of its ~10 elementwise ops is large
@@ -72,7 +72,6 @@ class E2M1Scratch:
         if stochastic:
             self.floor = torch.empty(numel, **f32)
             self.uniform = torch.empty(numel, **f32)
-            self.random_bits = torch.empty(numel, dtype=torch.int32, device=device)
 
 
 def round_e2m1_nearest_(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -89,51 +88,60 @@ def round_e2m1_nearest_(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return v.add_(magic).sub_(magic)
 
 
-# Stochastic rounding uses u = (low 24 bits of one 32-bit generator draw) * 2**-24 per element.
-UNIFORM_BITS_MASK = (1 << 24) - 1
-UNIFORM_BITS_SCALE = 2.0**-24
+# Stochastic rounding takes 8 random bits per element: the resolution of Blackwell's FP4 convert,
+# cvt.rs.satfinite.e2m1x4.f32, which rounds four values with one 32-bit rbits word, 8 bits each
+# (PTX ISA 9.7.9.21 "cvt": "When converting to .e2m1x4, ... lower 8-bits ... for operands e, f and
+# upper 8-bits ... for operands a, b"). A byte r gives u = (r + 1/2) / 256, the midpoint of its
+# 1/256 interval, so the round-up probability is the fraction rounded to a multiple of 1/256.
+SR_BITS = 8
+SR_HALF = 0.5
+SR_SCALE = 2.0**-SR_BITS
+# The bytes are those of int64 draws over the full 64-bit range (random_(-2**63, None), torch's
+# "full 64 bits range" sampler on CPU and CUDA): eight uniform bytes per draw, viewed in place. Against
+# one draw per element this cuts the serial mt19937 loop on CPU ~6x.
+_BYTES_PER_DRAW = 8
 
 
-def draw_uniform_bits_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Fill int32 `out` with one generator draw per element, kept to its low 24 bits.
+def draw_random_bytes(numel: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """`numel` uniform random bytes (uint8), for one tensor's stochastic rounding, row-major.
 
-    u = bits * 2**-24 in [0, 1) is, on CPU, exactly the number torch's float32 uniform_ would
-    draw (it keeps the same 24 bits of the same draw; tests/test_nvfp4_formats.py checks it), at
-    ~30 % less cost: the draw loop is serial, and these draws are a quarter of an emulated step.
-    (On CUDA both come from Philox, and the two streams differ.)
+    Drawn once per tensor, before any chunking, so the eager and the fused kernels, on CPU and on
+    CUDA, consume the same bytes in the same places. The generator advances by ceil(numel / 8)
+    64-bit draws.
     """
     with part("emulation/sr_draws"):  # linear.SR_DRAWS
-        return out.random_(generator=generator).bitwise_and_(UNIFORM_BITS_MASK)
+        draws = torch.empty(-(-numel // _BYTES_PER_DRAW), dtype=torch.int64, device=device)
+        draws.random_(-2**63, None, generator=generator)
+        return draws.view(torch.uint8)[:numel]
 
 
-def round_e2m1_stochastic_(
-    v: torch.Tensor, scratch: E2M1Scratch, n: int, generator: torch.Generator | None
-) -> torch.Tensor:
+def round_e2m1_stochastic_(v: torch.Tensor, scratch: E2M1Scratch, n: int, random_bytes: torch.Tensor) -> torch.Tensor:
     """Stochastically round float32 v (in [-6, 6]) to the E2M1 grid; returns the rounded tensor.
 
     With step the grid spacing at |v| (a power of two) and f = v / step (exact), the result is
-    step * (floor(f) + [u < f - floor(f)]), u ~ U[0, 1) drawn once per element from `generator`
-    (draw_uniform_bits_): the upper neighbour is taken with probability (v - lo) / (hi - lo) (u
-    has 24 random bits, so the probability is exact to 2**-24). Never leaves the two neighbours;
-    |v| = 6 stays 6.
+    step * (floor(f) + [u < f - floor(f)]), u = (r + 1/2) / 256 from the element's random byte r
+    (draw_random_bytes): the upper neighbour is taken with probability (v - lo) / (hi - lo) rounded
+    to a multiple of 1/256, as the hardware's 8 random bits allow. Never leaves the two
+    neighbours; values on the grid (|v| = 6 included) stay where they are.
     The indicator [u < frac] is ceil(frac - u): frac - u is in (0, 1) when u < frac and in (-1, 0]
-    otherwise (an FP32 difference of unequal numbers is never rounded to zero), and float-only ops
-    avoid the slow bool paths of lt/add on CPU.
+    otherwise (an FP32 difference of unequal numbers is never rounded to zero; u has 9 significant
+    bits, so u * 256 and the scaling are exact), and float-only ops avoid the slow bool paths of
+    lt/add on CPU.
     """
     bits = scratch.bits[:n].view(v.shape)
     floor = scratch.floor[:n].view(v.shape)
     uniform = scratch.uniform[:n].view(v.shape)
-    # step = 2**(max(E, 0) - 1); its reciprocal has the mirrored exponent bits.
+    # step = 2**(max(E, 0) - 1)
     torch.bitwise_and(v.view(torch.int32), _EXPONENT_MASK, out=bits)
     bits.clamp_(min=_ONE_BITS).sub_(_ONE_ULP_EXPONENT)
     step = bits.view(torch.float32)
     v.div_(step)  # exact: division by a power of two
     torch.floor(v, out=floor)
     v.sub_(floor)  # fractional part (exact, except that -tiny gives 1.0: it rounds up either way)
-    random_bits = draw_uniform_bits_(scratch.random_bits[:n].view(v.shape), generator)
-    # frac - u, with u = bits * 2**-24 (exact), rounded once; ceil: 1 where u < frac, else 0 or
-    # -0, and abs_ turns -0 into +0, so that v = -0 (floor -0) rounds to +0, not -0 + -0 = -0.
-    round_up = torch.sub(v, random_bits, alpha=UNIFORM_BITS_SCALE, out=uniform).ceil_().abs_()
+    uniform.copy_(random_bytes.view(v.shape)).add_(SR_HALF)  # r + 1/2, exact
+    # frac - u, rounded once; ceil: 1 where u < frac, else 0 or -0, and abs_ turns -0 into +0, so
+    # that v = -0 (floor -0) rounds to +0, not -0 + -0 = -0.
+    round_up = v.sub_(uniform, alpha=SR_SCALE).ceil_().abs_()
     floor.add_(round_up)
     return floor.mul_(step)
 
@@ -248,6 +256,7 @@ def encode_e2m1_blocks(
     packed = torch.empty(rows, k // 2, dtype=torch.uint8, device=device) if want_codes else None
     values = torch.empty(rows, k, dtype=values_dtype, device=device) if values_dtype else None
     scratch = E2M1Scratch(min(rows * k, chunk_numel(k)), device, stochastic, want_codes)
+    random_bytes = draw_random_bytes(rows * k, device, generator) if stochastic else None
     for start, stop in row_chunks(rows, k):
         r = stop - start
         n = r * k
@@ -262,7 +271,7 @@ def encode_e2m1_blocks(
             negative = torch.lt(v, 0, out=scratch.negative[:n].view(v.shape))
         bits = scratch.bits[:n].view(v.shape)
         if stochastic:
-            rounded = round_e2m1_stochastic_(v, scratch, n, generator)
+            rounded = round_e2m1_stochastic_(v, scratch, n, random_bytes[start * k:stop * k])
         else:
             rounded = round_e2m1_nearest_(v, bits)
         if want_codes:

@@ -3,15 +3,20 @@
 The eager kernels (formats.py, nvfp4.py) run ~10 in-place elementwise ops per chunk, each one a
 pass over memory. Compiled by inductor, the same formulas become one loop per pass: the block amax
 reads x once, and scale / clamp / round / rescale reads x (and the uniforms) once and writes the
-bf16 operand once. They are bit-identical to the eager kernels (tests/test_kernels.py): the same FP32
-operations in the same order, no reassociation (inductor's default C++ flags exclude
--fassociative-math; do not set TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG), and the
-stochastic-rounding bits are drawn eagerly from the caller's generator in the same order.
+bf16 operand once. They are bit-identical to the eager kernels (tests/test_kernels.py on CPU,
+tests/test_cuda_numerics.py on CUDA): the same FP32 values in the same order, no reassociation
+(inductor's default C++ flags exclude -fassociative-math; do not set
+TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG), every product whose rounding an FMA could change is
+exact, no FP32 division (Triton's `/` is approximate: multiplications by exact reciprocals
+instead), and the stochastic-rounding bytes are drawn eagerly, once per tensor, by the same call
+as the eager kernels'. Under Triton's flush-to-zero a scaled value below FP32's normal range keeps
+its value (zero after rounding) but may lose its sign in the packed codes (-0 vs +0); the GEMM
+operands do not carry that sign.
 
-Selection (NVFP4Config.kernels / precision.kernels): "eager", "compiled", or "auto" = compiled on
-CPU when inductor can build C++ (a compiler is on PATH), eager on GPUs (the compiled GPU path needs
-Triton and is untested here). The first call per variant compiles for a few seconds; inductor
-caches the result on disk for later processes.
+Selection (NVFP4Config.kernels / precision.kernels): "eager", "compiled", or "auto" = compiled
+where inductor can build kernels: on CPU when a C++ compiler is on PATH, on CUDA when Triton
+imports. The first call per variant compiles for a few seconds; inductor caches the result on disk
+for later processes.
 """
 
 from __future__ import annotations
@@ -22,16 +27,16 @@ import warnings
 
 import torch
 
-from nvfp4_recipe.parts import part
-
 from nvfp4_recipe.formats import (
     _EXPONENT_MASK,
     _MAGIC_OFFSET,
     _ONE_BITS,
     _ONE_ULP_EXPONENT,
+    _TWO_TO_127_BITS,
     E2M1_MAX,
-    UNIFORM_BITS_MASK,
-    UNIFORM_BITS_SCALE,
+    SR_HALF,
+    SR_SCALE,
+    draw_random_bytes,
     pack_codes,
 )
 
@@ -48,19 +53,39 @@ def _cpu_compiler_available() -> bool:
     return any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
 
 
-def use_compiled(mode: str, device: torch.device) -> bool:
-    """Whether `mode` selects the compiled kernels for tensors on `device`.
+@functools.cache
+def _triton_available() -> bool:
+    from torch.utils._triton import has_triton
 
-    CPU only: on GPUs the eager kernels draw their random bits chunk by chunk from a counter-based
-    generator, so a whole-tensor draw would not reproduce them (and Triton kernels are untested).
-    """
+    return has_triton()
+
+
+def compiler_available(device_type: str) -> bool:
+    """Whether inductor can build kernels for `device_type`: C++ on CPU, Triton on CUDA."""
+    if device_type == "cpu":
+        return _cpu_compiler_available()
+    if device_type == "cuda":
+        return _triton_available()
+    return False
+
+
+def use_compiled(mode: str, device: torch.device) -> bool:
+    """Whether `mode` selects the compiled kernels for tensors on `device` (a pure decision)."""
     if mode == "compiled":
-        if device.type != "cpu":
+        if device.type not in ("cpu", "cuda"):
             raise ValueError(
-                f"kernels='compiled' runs on CPU tensors only, got a {device.type} tensor; "
+                f"kernels='compiled' runs on CPU and CUDA tensors, got a {device.type} tensor; "
                 f"use kernels='auto' (eager there) or 'eager'")
         return True
-    return mode == "auto" and device.type == "cpu" and _cpu_compiler_available()
+    return mode == "auto" and compiler_available(device.type)
+
+
+def compiled_scales(device: torch.device) -> bool:
+    """Whether the block-scale computation runs compiled too: on CPU only. It divides
+    (1 / (s * S_dec)), and Triton's FP32 division is approximate unless inductor emulates eager
+    rounding, a switch whose name changed between torch releases; the (rows, K / 16) scales are
+    a sixteenth of the work and stay eager on CUDA."""
+    return device.type == "cpu"
 
 
 # The kernels see flat (blocks, block) tensors, detached (dynamo guards on requires_grad and on a
@@ -85,13 +110,16 @@ def _round_nearest(v: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     return (v + magic) - magic
 
 
-def _round_stochastic(v: torch.Tensor, exponent: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
-    """formats.round_e2m1_stochastic_ (same ops, same order) with the given 32-bit draws."""
-    step = (exponent - _ONE_ULP_EXPONENT).view(torch.float32)
-    scaled = v / step
+def _round_stochastic(v: torch.Tensor, exponent: torch.Tensor, random_bytes: torch.Tensor) -> torch.Tensor:
+    """formats.round_e2m1_stochastic_ (same values, same order) with the given random bytes."""
+    step_bits = exponent - _ONE_ULP_EXPONENT
+    step = step_bits.view(torch.float32)
+    # v / step as v times the exact reciprocal 2**-e (mirrored exponent bits): the same number,
+    # and Triton lowers an FP32 `/` to the approximate div.full (torch/_inductor/config.py,
+    # eager_numerics), which need not be exact even for a power of two.
+    scaled = v * (_TWO_TO_127_BITS - step_bits).view(torch.float32)
     floor = torch.floor(scaled)
-    # formats.draw_uniform_bits_'s mask, fused here; exact: < 2**24, times a power of two
-    uniform = torch.bitwise_and(random_bits, UNIFORM_BITS_MASK).float() * UNIFORM_BITS_SCALE
+    uniform = (random_bytes.float() + SR_HALF) * SR_SCALE  # exact: 9 significant bits
     # abs: a -0 from ceil(0 - u) must not make -0 + -0 (formats.round_e2m1_stochastic_)
     return (floor + torch.ceil((scaled - floor) - uniform).abs()) * step
 
@@ -114,10 +142,10 @@ def _e2m1_values_nearest(x, encode, decode, out_dtype: torch.dtype) -> torch.Ten
     return (_round_nearest(v, exponent) * decode).to(out_dtype)
 
 
-def _e2m1_values_stochastic(x, encode, decode, random_bits, out_dtype: torch.dtype) -> torch.Tensor:
+def _e2m1_values_stochastic(x, encode, decode, random_bytes, out_dtype: torch.dtype) -> torch.Tensor:
     """As _e2m1_values_nearest with stochastic rounding."""
     v, exponent = _scaled_clamped(x, encode)
-    return (_round_stochastic(v, exponent, random_bits) * decode).to(out_dtype)
+    return (_round_stochastic(v, exponent, random_bytes) * decode).to(out_dtype)
 
 
 def _e2m1_codes_nearest(x, encode) -> torch.Tensor:
@@ -126,9 +154,9 @@ def _e2m1_codes_nearest(x, encode) -> torch.Tensor:
     return _e2m1_codes(_round_nearest(v, exponent), v < 0)
 
 
-def _e2m1_codes_stochastic(x, encode, random_bits) -> torch.Tensor:
+def _e2m1_codes_stochastic(x, encode, random_bytes) -> torch.Tensor:
     v, exponent = _scaled_clamped(x, encode)
-    return _e2m1_codes(_round_stochastic(v, exponent, random_bits), v < 0)
+    return _e2m1_codes(_round_stochastic(v, exponent, random_bytes), v < 0)
 
 
 # What a failed compilation raises (dynamo/inductor errors, incl. a C++ toolchain failure, and the
@@ -185,12 +213,9 @@ def _flat_blocks(x2d: torch.Tensor, block: int, *per_block: torch.Tensor) -> tup
     return (x2d.view(-1, block).detach(), *(t.reshape(-1, 1).detach() for t in per_block))
 
 
-def _random_bits(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One 32-bit draw per element, row-major: the sequence the eager kernel draws chunk by chunk
-    (it masks them to 24 bits itself; the kernels here mask inside)."""
-    with part("emulation/sr_draws"):  # linear.SR_DRAWS
-        return torch.empty(like.shape, dtype=torch.int32, device=like.device).random_(
-            generator=generator)
+def _random_bytes(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One random byte per element of `like`, the bytes the eager kernel draws (same call)."""
+    return draw_random_bytes(like.numel(), like.device, generator).view(like.shape)
 
 
 def encode_values(
@@ -206,7 +231,7 @@ def encode_values(
     """The values output of formats.encode_e2m1_blocks ((rows, K) in values_dtype), fused."""
     x, encode, decode = _flat_blocks(x2d, block, encode, decode)
     if stochastic:
-        values = _VALUES_STOCHASTIC(strict, x, encode, decode, _random_bits(x, generator), values_dtype)
+        values = _VALUES_STOCHASTIC(strict, x, encode, decode, _random_bytes(x, generator), values_dtype)
     else:
         values = _VALUES_NEAREST(strict, x, encode, decode, values_dtype)
     return values.view(x2d.shape)
@@ -223,7 +248,7 @@ def encode_codes(
     """The packed-codes output of formats.encode_e2m1_blocks ((rows, K // 2) uint8), fused."""
     x, encode = _flat_blocks(x2d, block, encode)
     if stochastic:
-        codes = _CODES_STOCHASTIC(strict, x, encode, _random_bits(x, generator))
+        codes = _CODES_STOCHASTIC(strict, x, encode, _random_bytes(x, generator))
     else:
         codes = _CODES_NEAREST(strict, x, encode)
     rows, k = x2d.shape

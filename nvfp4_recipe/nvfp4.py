@@ -175,7 +175,7 @@ def quantize_nvfp4_core(
     if not vec_max.numel():
         amax = torch.zeros((), device=device)
         scale_e4m3, encode, s_dec = block_scales(vec_max, amax)
-    elif compiled:
+    elif compiled and fused.compiled_scales(device):
         amax, scale_e4m3, encode, s_dec = _COMPILED_SCALES_OF_BLOCKS(strict, vec_max)
     else:
         amax, scale_e4m3, encode, s_dec = scales_of_blocks(vec_max)

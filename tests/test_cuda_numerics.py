@@ -93,6 +93,35 @@ def test_nvfp4_stochastic_rounding_on_cuda():
     assert torch.equal(again, draws[0]) and not torch.equal(draws[0], draws[1])
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_compiled_quantizers_are_bit_identical_to_eager_on_cuda(rounding):
+    """kernels=auto compiles the quantizers with Triton on CUDA: the same bits as the eager
+    kernels, the GEMM operands (values) and the packed codes, with the same seeded generator (both
+    paths draw the stochastic-rounding bytes once per tensor, by the same call)."""
+    from nvfp4_recipe.kernels import use_compiled
+
+    assert use_compiled("auto", CUDA), "Triton is not importable: kernels=auto stays eager on CUDA"
+    stochastic = rounding == "stochastic"
+    for shape in ((48, 64), (1000, 160), (4096 + 16, 512)):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _inputs(shape, dtype, seed=5).to(CUDA)
+            for tile_rows in (1, 16):
+                if shape[0] % tile_rows:
+                    continue
+                values = [nvfp4_scaled_values(x, tile_rows, stochastic,
+                                              torch.Generator(device=CUDA).manual_seed(1),
+                                              torch.bfloat16, kernels)
+                          for kernels in ("eager", "compiled")]
+                assert torch.equal(values[0][0].view(torch.int16), values[1][0].view(torch.int16)), \
+                    (shape, dtype, tile_rows)
+                assert torch.equal(values[0][1], values[1][1])
+                codes = [quantize_nvfp4(x, (tile_rows, 16), rounding,
+                                        torch.Generator(device=CUDA).manual_seed(2), kernels=kernels)
+                         for kernels in ("eager", "compiled")]
+                assert torch.equal(codes[0].data, codes[1].data)
+                assert torch.equal(codes[0].scales.view(torch.uint8), codes[1].scales.view(torch.uint8))
+
+
 @pytest.mark.parametrize("shape", [(64, 64), (300, 1024), (4096, 256)])
 def test_mxfp4_bit_exact(shape):
     x = _inputs(shape, torch.bfloat16, seed=1)

@@ -99,13 +99,21 @@ def test_rounding_never_makes_negative_zero_values(kernels):
         assert (bits[:, [0, 1, 6]] == 0).all()
 
 
-def test_kernel_modes_are_validated_and_selected():
+def test_kernel_modes_are_validated_and_selected(monkeypatch):
+    from nvfp4_recipe import kernels
+
     assert use_compiled("compiled", torch.device("cpu")) and not use_compiled("eager", torch.device("cpu"))
-    assert not use_compiled("auto", torch.device("cuda"))
-    with pytest.raises(ValueError, match="CPU tensors only"):
-        use_compiled("compiled", torch.device("cuda"))
+    assert use_compiled("compiled", torch.device("cuda")) and not use_compiled("eager", torch.device("cuda"))
+    with pytest.raises(ValueError, match="CPU and CUDA tensors"):
+        use_compiled("compiled", torch.device("mps"))
+    assert not use_compiled("auto", torch.device("mps"))
     assert use_compiled("auto", torch.device("cpu")) == bool(shutil.which("g++") or shutil.which("c++")
                                                              or shutil.which("clang++"))
+    # auto on CUDA follows Triton; the scales stay eager there (Triton's FP32 `/` is approximate)
+    for has_triton in (True, False):
+        monkeypatch.setattr(kernels, "_triton_available", lambda: has_triton)
+        assert use_compiled("auto", torch.device("cuda")) is has_triton
+    assert kernels.compiled_scales(torch.device("cpu")) and not kernels.compiled_scales(torch.device("cuda"))
     with pytest.raises(ValueError, match="kernels='fused'"):
         NVFP4Config(kernels="fused")
     with pytest.raises(ValueError, match="precision.kernels='jit'"):

@@ -246,13 +246,35 @@ def test_sr_reproducible_with_generator_and_global_rng():
     assert torch.equal(a.data, b.data)
 
 
-def test_sr_draws_one_uniform_per_element():
+def test_sr_draws_one_64_bit_number_per_8_elements():
+    # 8 random bytes per 64-bit draw, drawn once per tensor: the generator advances by ceil(n / 8)
+    # draws whatever the chunking (the eager kernels chunk, the fused ones do not).
     _, x = _sr_setup(64)
     gen = torch.Generator().manual_seed(5)
     quantize_nvfp4(x, rounding="stochastic", generator=gen)
     expected = torch.Generator().manual_seed(5)
-    torch.rand(x.numel(), generator=expected)
+    torch.empty(-(-x.numel() // 8), dtype=torch.int32).random_(generator=expected)  # 2 x 32 bits each
+    torch.empty(-(-x.numel() // 8), dtype=torch.int32).random_(generator=expected)
     assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=expected))
+
+
+def test_sr_takes_the_upper_neighbour_with_the_fraction_rounded_to_8_bits():
+    # Every byte value r once: the round-up count over the 256 bytes is exactly the number of
+    # midpoints (r + 1/2) / 256 below the fraction f, i.e. P(up) = round(256 f) / 256 (ties down).
+    # The hardware's cvt.rs.satfinite.e2m1x4 has the same 8-bit resolution (PTX ISA, cvt rbits).
+    from nvfp4_recipe.formats import E2M1Scratch, round_e2m1_stochastic_
+
+    fractions = torch.tensor([0.0, 1 / 1024, 1 / 512, 3 / 1024, 0.25, 0.3, 0.5, 0.6, 0.999, 1 - 2**-24])
+    for lo, step in ((0.0, 0.5), (1.5, 0.5), (2.0, 1.0), (4.0, 2.0)):
+        v = (lo + fractions * step).repeat_interleave(256).view(len(fractions), 256)
+        r = torch.arange(256, dtype=torch.uint8).repeat(len(fractions), 1)
+        n = v.numel()
+        scratch = E2M1Scratch(n, v.device, stochastic=True, codes=False)
+        rounded = round_e2m1_stochastic_(v.clone(), scratch, n, r.reshape(-1))
+        ups = (rounded > lo).sum(1)
+        expected = torch.tensor([sum((k + 0.5) / 256 < f for k in range(256)) for f in fractions.tolist()])
+        assert torch.equal(ups, expected), (lo, ups.tolist(), expected.tolist())
+        assert ((rounded == lo) | (rounded == lo + step)).all()
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -275,14 +297,17 @@ def test_bad_input_raises_value_error_naming_the_problem(x, kwargs, message):
         quantize_nvfp4(x, **kwargs)
 
 
-def test_sr_draws_are_the_24_bit_uniforms_torch_would_draw():
-    # draw_uniform_bits_ keeps the low 24 bits of one 32-bit draw per element: on CPU those are
-    # exactly torch's float32 uniform_ numbers, and the generator advances by the same amount.
-    from nvfp4_recipe.formats import UNIFORM_BITS_SCALE, draw_uniform_bits_
+def test_sr_random_bytes_are_uniform_and_reproducible():
+    # draw_random_bytes views full-range 64-bit draws as bytes: every byte position of a draw is
+    # uniform over 0..255 (a 63-bit draw would leave the top byte at most 127).
+    from nvfp4_recipe.formats import draw_random_bytes
 
     for n in (1, 17, 100_003):
         ours, theirs = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
-        bits = draw_uniform_bits_(torch.empty(n, dtype=torch.int32), ours)
-        assert int(bits.min()) >= 0 and int(bits.max()) < 2**24
-        assert torch.equal(bits.double() * UNIFORM_BITS_SCALE, torch.empty(n).uniform_(generator=theirs).double())
-        assert torch.equal(torch.rand(4, generator=ours), torch.rand(4, generator=theirs))
+        a, b = (draw_random_bytes(n, torch.device("cpu"), g) for g in (ours, theirs))
+        assert a.dtype == torch.uint8 and a.shape == (n,) and torch.equal(a, b)
+    counts = torch.bincount(draw_random_bytes(8 * 256 * 400, torch.device("cpu"),
+                                              torch.Generator().manual_seed(0)).view(-1, 8).long()
+                            .add(torch.arange(8) * 256).view(-1), minlength=8 * 256).view(8, 256)
+    # each (position, value) count is Binomial(102400, 1/256): mean 400, sd 20; 6 sigma bounds
+    assert counts.min() > 400 - 6 * 20 and counts.max() < 400 + 6 * 20, counts
