@@ -20,7 +20,8 @@ Markdown copy of the table next to it. Timings: warm-up, then interleaved repeat
 JSON keys (schema_version 1): schema_version, command, hardware (benchmarking.device_info()),
 settings {device, quick, tokens, scale, warmup, repeats, train_repeats, shapes, train_models},
 rows [{section, case, shape, path, status, ms, value, unit, vs_bf16, vs_peak, note}],
-skipped [{section, case, path, reason}], load_average_end, elapsed_s.
+skipped [{section, case, path, reason}], load_average_end, load (benchmarking.LoadReport: load
+averages at start and end, CPUs used by other processes, loaded), elapsed_s.
 status is "ok", "skipped" (the reason in note) or "error" (the exception in note).
 vs_bf16 = BF16 time / this row's time for the same case (>1: faster than BF16).
 """
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_recipe.benchmarking import (
+    MachineLoad,
     SectionTimer,
     device_info,
     format_table,
@@ -507,6 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if cuda:
         print(f"BF16 peak: {peak} TFLOP/s ({info['bf16_peak_source']})")
     rows: list[dict[str, object]] = []
+    meter = MachineLoad().start()
     if not args.no_gemm:
         rows += bench_gemms(shapes, tokens, device, warmup, repeats, peak)
     if not args.no_train:
@@ -527,6 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 raise SystemExit(f"--train-models: unknown model {name!r}; use demo or 1b")
             rows += bench_training(cfg.name, cfg, mb, seq, device, warmup=1,
                                    repeats=settings["train_repeats"], peak=peak)
+    load = meter.stop()
     if not cuda:
         rows.append(_skip("train", "MFU", "-", "-", info["bf16_peak_source"]))
     skipped = [{k: r[k] for k in ("section", "case", "path")} | {"reason": r["note"]}
@@ -535,11 +539,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "schema_version": SCHEMA_VERSION,
         "command": " ".join([os.path.basename(sys.executable), "-m", "launch.bench", *(argv or sys.argv[1:])]),
         "hardware": info, "settings": settings, "rows": rows, "skipped": skipped,
-        "load_average_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 1),
+        "load_average_end": load_average(), "load": load.to_json(),
+        "elapsed_s": round(time.perf_counter() - started, 1),
     }
     title = f"nvfp4-pretrain bench on {info.get('gpu') or info['cpu']} ({device.type})"
+    if load.loaded:
+        title += " (LOADED machine: ratios not comparable to idle runs)"
     print_table(rows, title)
-    print(f"load average at end: {results['load_average_end']}; {results['elapsed_s']} s")
+    print(f"machine: {load.line()}; {results['elapsed_s']} s")
     path = Path(args.json) if args.json else default_json_path(info)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2, default=str))

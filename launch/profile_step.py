@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from nvfp4_recipe.benchmarking import MachineLoad
 from nvfp4_recipe.parts import PartTimer, part
 
 VARIANTS = {  # name -> (format, PrecisionConfig field overrides, trainer.recompute)
@@ -107,7 +108,7 @@ def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | No
         for v in variants:  # warm-up: compiled kernels, allocator
             for _ in range(2):
                 _step(*setups[v], ctx)
-        load_start = Path("/proc/loadavg").read_text().split()[:3]
+        meter = MachineLoad().start()
         times = defaultdict(list)
         parts = {v: defaultdict(list) for v in variants}
         for _ in range(repeats):
@@ -121,13 +122,13 @@ def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | No
                     for name, seconds in timer.seconds.items():
                         parts[v][name].append(seconds)
                     parts[v]["rest of the step"].append(wall - sum(timer.seconds.values()))
-        load_end = Path("/proc/loadavg").read_text().split()[:3]
+        load = meter.stop()
     finally:
         shutdown()
     return {"median_step_s": {v: statistics.median(t) for v, t in times.items()},
             "parts_s": {v: {name: statistics.median(x) for name, x in p.items()}
                         for v, p in parts.items()},
-            "load_start": load_start, "load_end": load_end, "steps": steps, "repeats": repeats,
+            "load": load.to_json(), "load_line": load.line(), "steps": steps, "repeats": repeats,
             "threads": torch.get_num_threads(), "hidden_size": setups[variants[0]][4]}
 
 
@@ -142,14 +143,13 @@ def report(result: dict) -> str:
         "# One demo training step, part by part",
         "",
         f"Machine: {info['cpu']}, {info['cpu_count']} logical CPUs, "
-        f"torch {torch.__version__}, {result['threads']} threads. Load average (1/5/15 min) at "
-        f"start {' '.join(result['load_start'])}, at end {' '.join(result['load_end'])}.",
+        f"torch {torch.__version__}, {result['threads']} threads. Load: {result['load_line']}.",
         "",
         "Produced by `python -m launch.profile_step` (method in its docstring): demo model at "
         f"hidden size {result['hidden_size']}, medians of {result['repeats']} interleaved rounds "
         f"of {result['steps']} steps per variant.",
         "",
-        f"| variant | step (median) | vs {variants[0]} |",
+        f"| variant | step (median) | vs {variants[0]}{' (LOADED)' if result['load']['loaded'] else ''} |",
         "|---|---:|---:|",
     ]
     for v in variants:

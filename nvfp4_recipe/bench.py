@@ -16,7 +16,13 @@ import json
 import torch
 import torch.nn.functional as F
 
-from nvfp4_recipe.benchmarking import format_table, hardware_info, measure_interleaved
+from nvfp4_recipe.benchmarking import (
+    MachineLoad,
+    background_load,
+    format_table,
+    hardware_info,
+    measure_interleaved,
+)
 from nvfp4_recipe.config import NVFP4Config
 from nvfp4_recipe.linear import nvfp4_linear
 from nvfp4_recipe.nvfp4 import quantize_nvfp4, tensor_scales
@@ -113,17 +119,25 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only (~30 s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--background-load", type=int, default=0, metavar="N",
+                        help="run N single-threaded BF16 matmul processes beside the bench (a busy "
+                             "machine); the report says LOADED")
     args = parser.parse_args(argv)
+    if args.background_load < 0:
+        parser.error(f"--background-load must be >= 0, got {args.background_load}")
     quant_sizes = [1024] if args.quick else [2048, 4096]
     linear_sizes = [512, 1024] if args.quick else [1024, 2048, 4096]
     repeats = 3
     info = hardware_info()
     print("hardware:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    quant_rows = [row for size in quant_sizes for row in bench_quantize(size, repeats)]
-    print(format_table(quant_rows, ["quantize (bf16)", "ms", "Melem/s", "speedup vs torchao", "speedup vs plain"]))
-    linear_rows = [bench_linear(size, 2 * repeats + 1) for size in linear_sizes]
-    print(format_table(linear_rows, list(linear_rows[0])))
-    results = {"hardware": info, "quantize": quant_rows, "linear": linear_rows}
+    with background_load(args.background_load), MachineLoad() as load:
+        quant_rows = [row for size in quant_sizes for row in bench_quantize(size, repeats)]
+        print(format_table(quant_rows, ["quantize (bf16)", "ms", "Melem/s", "speedup vs torchao", "speedup vs plain"]))
+        linear_rows = [bench_linear(size, 2 * repeats + 1) for size in linear_sizes]
+        print(format_table(linear_rows, list(linear_rows[0])))
+    print(f"machine: {load.report.line()}")
+    results = {"hardware": info, "background_load": args.background_load, "load": load.report.to_json(),
+               "quantize": quant_rows, "linear": linear_rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

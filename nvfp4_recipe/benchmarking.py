@@ -1,13 +1,18 @@
-"""Small timing helpers shared by the numerics bench (and a later all-hardware bench)."""
+"""Timing helpers shared by the benches: interleaved medians, what the machine is, and how loaded it was."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import resource
 import statistics
 import subprocess
+import sys
 import time
-from typing import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -202,3 +207,103 @@ class SectionTimer:
 
     def total(self) -> float:
         return sum(self.seconds.values())
+
+
+# -- machine load: every bench reports it, and marks ratios measured under load ------------------
+
+# Other processes using more than this many CPUs on average make a run "loaded": on the 2-core dev
+# VM a quarter core of foreign work already moves the emulation's ratios by several percent.
+LOADED_OTHER_CPUS = 0.25
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes have spent busy since boot (/proc/stat), None where unavailable."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    jiffies = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+    busy = sum(jiffies) - jiffies[3] - jiffies[4]  # steal counts: the hypervisor took the CPU
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class LoadReport:
+    """What else ran while a bench ran: the load averages at its start and end, and the CPUs that
+    other processes kept busy on average (all CPUs' busy time minus this process's, over wall time)."""
+
+    load_start: tuple[float, float, float] | None
+    load_end: tuple[float, float, float] | None
+    other_cpus: float | None
+    seconds: float
+
+    @property
+    def loaded(self) -> bool | None:
+        return None if self.other_cpus is None else self.other_cpus > LOADED_OTHER_CPUS
+
+    def line(self) -> str:
+        """One line for a report: idle or LOADED, and the evidence."""
+        averages = (f"load average (1/5/15 min) {' '.join(map(str, self.load_start or ()))} at start, "
+                    f"{' '.join(map(str, self.load_end or ()))} at end")
+        if self.other_cpus is None:
+            return f"machine load unknown (no /proc/stat); {averages}"
+        state = ("LOADED: ratios measured under load, not comparable to idle runs" if self.loaded
+                 else "idle")
+        return (f"{state} (other processes used {self.other_cpus:.2f} CPUs on average over "
+                f"{self.seconds:.0f} s; {averages})")
+
+    def to_json(self) -> dict[str, object]:
+        return {"load_average_start": self.load_start, "load_average_end": self.load_end,
+                "other_cpus": None if self.other_cpus is None else round(self.other_cpus, 3),
+                "loaded": self.loaded, "seconds": round(self.seconds, 1)}
+
+
+class MachineLoad:
+    """`with MachineLoad() as load: ...` then `load.report`, or `start()` ... `stop()` -> LoadReport."""
+
+    report: LoadReport | None = None
+
+    def start(self) -> "MachineLoad":
+        self._start = (load_average(), _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter())
+        return self
+
+    def stop(self) -> LoadReport:
+        load_start, busy_start, own_start, wall_start = self._start
+        busy_end, own_end, wall = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter() - wall_start
+        other = None
+        if busy_start is not None and busy_end is not None and wall > 0:
+            other = max(0.0, (busy_end - busy_start) - (own_end - own_start)) / wall
+        self.report = LoadReport(load_start, load_average(), other, wall)
+        return self.report
+
+    def __enter__(self) -> "MachineLoad":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_LOAD_LOOP = ("import torch; torch.set_num_threads(1); a = torch.randn(512, 512, dtype=torch.bfloat16)\n"
+              "while True: a @ a")
+
+
+@contextlib.contextmanager
+def background_load(processes: int) -> Iterator[None]:
+    """Run `processes` single-threaded BF16 matmul loops beside the block (another job on the
+    machine), to measure what the emulation costs on a busy machine; stopped on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_LOOP], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(processes)]
+    try:
+        if procs:
+            time.sleep(2.0)  # let them import torch and start multiplying
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,9 @@ def _rows(results, **match):
 def test_json_has_the_documented_keys(quick_bench):
     _, results, path = quick_bench
     assert results["schema_version"] == 1
-    for key in ("command", "hardware", "settings", "rows", "skipped", "load_average_end", "elapsed_s"):
+    for key in ("command", "hardware", "settings", "rows", "skipped", "load_average_end", "load", "elapsed_s"):
         assert key in results, key
+    assert set(results["load"]) == {"load_average_start", "load_average_end", "other_cpus", "loaded", "seconds"}
     for key in ("cpu", "cpu_count", "torch", "load_average", "cuda_available", "transformer_engine",
                 "bf16_peak_tflops", "bf16_peak_source"):
         assert key in results["hardware"], key
@@ -161,3 +163,26 @@ def test_gpu_check_cpu_quick_mode_writes_its_folder(tmp_path, data_cache):
     assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 2
     assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 2
     assert "precision nvfp4: emulated GEMMs" in summary and "## bench" in summary
+
+
+def test_load_report_marks_a_loaded_machine():
+    from nvfp4_recipe.benchmarking import LOADED_OTHER_CPUS, LoadReport
+
+    idle = LoadReport((0.1, 0.2, 0.3), (0.2, 0.2, 0.3), LOADED_OTHER_CPUS / 2, 10.0)
+    busy = LoadReport((0.1, 0.2, 0.3), (1.9, 0.9, 0.4), 1.0, 10.0)
+    assert idle.loaded is False and idle.line().startswith("idle")
+    assert busy.loaded is True and busy.line().startswith("LOADED")
+    assert "1.00 CPUs" in busy.line() and "1.9 0.9 0.4 at end" in busy.line()
+    assert LoadReport(None, None, None, 1.0).loaded is None
+    assert busy.to_json()["loaded"] is True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat")
+def test_machine_load_sees_a_background_process():
+    # One spinning BF16 matmul process beside an idle wait: the meter attributes its CPU to
+    # "other processes" (about one CPU), not to this one.
+    from nvfp4_recipe.benchmarking import MachineLoad, background_load
+
+    with background_load(1), MachineLoad() as load:
+        time.sleep(1.5)
+    assert load.report.other_cpus > 0.5 and load.report.loaded
