@@ -204,9 +204,10 @@ def quantize_nvfp4(
 
     Leading dims are flattened into rows. tile=(1, 16): one scale per 16 values along K;
     tile=(16, 16): one per 16x16 tile (rows must be a multiple of 16), TE's 2-D weight scaling.
-    rounding="stochastic" draws one uniform per element from `generator` (None: torch's global
-    RNG, which the trainer checkpoints). check_finite=True rejects NaN/Inf with a ValueError.
-    kernels: "auto" (compiled on CPU when possible), "eager" or "compiled"; the same bits.
+    rounding="stochastic" takes one random byte per element from `generator` (eight per 64-bit
+    draw; None: torch's global RNG, which the trainer checkpoints). check_finite=True rejects
+    NaN/Inf with a ValueError. kernels: "auto" (compiled where inductor can build kernels),
+    "eager" or "compiled"; the same bits.
     """
     fused.check_kernel_mode(kernels, "quantize_nvfp4")
     tile_rows = _check_tile(tile)

@@ -86,7 +86,7 @@ def test_wgrad_with_rht_equals_reference_composition():
 
 
 def test_sr_backward_equals_composition_with_the_same_draws():
-    # Dgrad's dY is quantized first, then Wgrad's dY^T, each one uniform per element.
+    # Dgrad's dY is quantized first, then Wgrad's dY^T, each one random byte per element.
     x, w, b, dy = _problem(tokens=(128,))
     _, dx, dw, _ = _run(NVFP4Config(gemm="exact", rht=False), x, w, b, dy, seed=5)
     gen = torch.Generator().manual_seed(5)
