@@ -25,8 +25,8 @@ test: setup  ## the CI suite (fast + slow, ~18 min on 2 cores)
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: setup
-	$(PY) -m launch.bench $(ARGS)
+bench: setup  ## the hardware bench (benchmarks/hardware.py): GEMMs at 12B shapes, training steps
+	$(PY) -m benchmarks.hardware $(ARGS)
 
 gpu-check:  ## on a GPU machine: CUDA tests, Triton SSD check, 30-step demos, bench -> runs/gpu_check/
 	bash launch/gpu_check.sh

@@ -8,7 +8,7 @@ Knows nothing of precision or the model. Entry points::
 
 ``python -m data.prepare`` tokenizes JSONL/text/Parquet/Arrow into megatron-core indexed datasets
 (whole, or one ``--shard I/N`` of a Slurm array);
-``python -m data.bench`` measures the loader. ``import data`` stays light: torch and
+``python -m benchmarks.data_loader`` measures the loader. ``import data`` stays light: torch and
 megatron-core load on first use of ``build_data``.
 """
 

@@ -28,7 +28,7 @@ import torch
 from data.indexed import mcore, quiet_megatron_logs
 from data.schedule import PhaseSchedule, Source
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nvfp4_pretrain")
 
 STATE_VERSION = 1
 

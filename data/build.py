@@ -24,9 +24,9 @@ from data.config import (
 from data.indexed import mcore, open_indexed, quiet_megatron_logs, read_sidecar
 from data.interleave import to_fraction
 from data.schedule import PhaseSchedule, Source
-from data.tokenizer import MegatronTokenizerAdapter, load_tokenizer_spec
+from data.tokenizer import MegatronTokenizerAdapter, TokenizerSpec, load_tokenizer_spec
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nvfp4_pretrain")
 
 
 @dataclass
@@ -109,39 +109,71 @@ def build_data(
     """
     cfg = to_data_config(cfg)
     validate_config(cfg)
-    barrier = barrier or _default_barrier()
-    cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
-
-    demo_dir = None
-    if uses_demo(cfg):
-        from data.demo import ensure_demo_corpus
-
-        rank = _global_rank(dp_rank)
-        if rank == 0:
-            corpus = ensure_demo_corpus(cache_dir, cfg.demo, show_progress=show_progress)
-        barrier()
-        if rank != 0:
-            corpus = ensure_demo_corpus(cache_dir, cfg.demo, show_progress=False)
-        demo_dir = corpus.path
+    demo_dir = _prepare_demo(cfg, dp_rank, show_progress, barrier or _default_barrier())
     check_files_exist(cfg, demo_dir)
-
-    tok_path = cfg.tokenizer if cfg.tokenizer is not None else os.path.join(demo_dir, "tokenizer.json")
-    try:
-        spec = load_tokenizer_spec(tok_path)
-    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
-        raise DataConfigError(f"data.tokenizer = {tok_path!r}: cannot load it: {err}") from err
+    spec = _load_tokenizer(cfg, demo_dir)
     tokenizer = spec.tokenizer
     adapter = MegatronTokenizerAdapter(tokenizer, eod=spec.eod, sha256=spec.sha256)
-    tok_sha = spec.sha256
 
     total = cfg.total_tokens if cfg.total_tokens is not None else int(total_tokens)
     if total <= 0:
         raise DataConfigError(f"total_tokens = {total}: need a positive number of tokens for the phase schedule")
+    sources, indexed = _training_sources(cfg, demo_dir, spec.sha256, seq_length)
+    schedule = PhaseSchedule(
+        sources, [(p.name, p.end_fraction, dict(p.weights)) for p in cfg.phases], total, seq_length
+    )
+    for ph in schedule.phases:
+        if not ph.interleave.exact:
+            log.warning("phase %r: weights rounded to multiples of 1/%d", ph.name, ph.interleave.period)
+    train = StreamingBlend(
+        sources, indexed, schedule, tokenizer_adapter=adapter, seq_length=seq_length,
+        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seed=seed,
+        dp_rank=dp_rank, dp_size=dp_size,
+    )
 
-    # sources: categories in config order, prefixes in order
+    val_prefixes = _validation_prefixes(cfg, demo_dir, spec.sha256)
+    val = _build_validation(val_prefixes, adapter, seq_length, seed) if val_prefixes else None
+
+    return DataBundle(
+        vocab_size=tokenizer.get_vocab_size(), tokenizer=tokenizer, train=train, eod_id=adapter.eod,
+        config=cfg, seq_length=seq_length, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+        dp_size=dp_size, demo_dir=demo_dir, validation_dataset=val,
+    )
+
+
+def _prepare_demo(cfg: DataConfig, dp_rank: int, show_progress: bool,
+                  barrier: Callable[[], None]) -> Optional[str]:
+    """The demo corpus's directory when the config uses it (None otherwise): global rank 0 builds
+    it while the others wait in ``barrier``, then they open it."""
+    if not uses_demo(cfg):
+        return None
+    from data.demo import ensure_demo_corpus
+
+    cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
+    rank = _global_rank(dp_rank)
+    if rank == 0:
+        corpus = ensure_demo_corpus(cache_dir, cfg.demo, show_progress=show_progress)
+    barrier()
+    if rank != 0:
+        corpus = ensure_demo_corpus(cache_dir, cfg.demo, show_progress=False)
+    return corpus.path
+
+
+def _load_tokenizer(cfg: DataConfig, demo_dir: Optional[str]) -> TokenizerSpec:
+    """data.tokenizer, or the demo corpus's own when it is unset."""
+    tok_path = cfg.tokenizer if cfg.tokenizer is not None else os.path.join(demo_dir, "tokenizer.json")
+    try:
+        return load_tokenizer_spec(tok_path)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise DataConfigError(f"data.tokenizer = {tok_path!r}: cannot load it: {err}") from err
+
+
+def _training_sources(cfg: DataConfig, demo_dir: Optional[str], tok_sha: str,
+                      seq_length: int) -> tuple[List[Source], list]:
+    """One Source (and its opened indexed dataset) per training prefix: categories in config
+    order, prefixes in order, a glob entry standing for its matches (shards) in natural order."""
     sources, indexed = [], []
     for cat, cc in cfg.categories.items():
-        # a glob entry stands for its matches (shards), in natural order
         groups = [expand_prefix(f"data.categories.{cat}.prefixes[{j}]", p, demo_dir) for j, p in enumerate(cc.prefixes)]
         entry = [j for j, g in enumerate(groups) for _ in g]
         paths = [p for g in groups for p in g]
@@ -172,34 +204,18 @@ def build_data(
                 f"data.categories.{src.category}: prefix {src.prefix!r} holds {src.num_tokens} tokens, "
                 f"fewer than one sample of seq_length {seq_length} + 1"
             )
+    return sources, indexed
 
-    schedule = PhaseSchedule(
-        sources, [(p.name, p.end_fraction, dict(p.weights)) for p in cfg.phases], total, seq_length
-    )
-    for p, ph in enumerate(schedule.phases):
-        if not ph.interleave.exact:
-            log.warning("phase %r: weights rounded to multiples of 1/%d", ph.name, ph.interleave.period)
-    train = StreamingBlend(
-        sources, indexed, schedule, tokenizer_adapter=adapter, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seed=seed,
-        dp_rank=dp_rank, dp_size=dp_size,
-    )
 
-    val = None
-    val_prefixes = []
+def _validation_prefixes(cfg: DataConfig, demo_dir: Optional[str], tok_sha: str) -> List[str]:
+    """Every validation prefix (globs expanded), each checked against the run's tokenizer."""
+    prefixes = []
     for g, ps in cfg.validation.items():
         for j, p in enumerate(ps):
             for path in expand_prefix(f"data.validation.{g}[{j}]", p, demo_dir):
-                val_prefixes.append(path)
+                prefixes.append(path)
                 _check_tokenizer_match(path, tok_sha, f"data.validation.{g}[{j}]")
-    if val_prefixes:
-        val = _build_validation(val_prefixes, adapter, seq_length, seed)
-
-    return DataBundle(
-        vocab_size=tokenizer.get_vocab_size(), tokenizer=tokenizer, train=train, eod_id=adapter.eod,
-        config=cfg, seq_length=seq_length, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-        dp_size=dp_size, demo_dir=demo_dir, validation_dataset=val,
-    )
+    return prefixes
 
 
 def _check_tokenizer_match(prefix: str, tok_sha: str, key: str) -> None:

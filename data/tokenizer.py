@@ -186,9 +186,10 @@ def tokenizer_sha256(tok: Tokenizer) -> str:
 
 
 class MegatronTokenizerAdapter:
-    """What megatron-core's GPT datasets read from ``config.tokenizer``: ``eod``, ``vocab_size``
-    and ``unique_identifiers`` (hashed into megatron's index-cache names). No pad token: megatron
-    then uses -1, which never occurs in the data."""
+    """What megatron-core's GPT datasets read from ``config.tokenizer``: ``eod`` (and ``eos``, the
+    same id, in their pad-token check), ``vocab_size`` and ``unique_identifiers`` (hashed into
+    megatron's index-cache names). No pad token: megatron then uses -1, which never occurs in the
+    data."""
 
     def __init__(self, tok: Tokenizer, eod: Optional[int] = None, sha256: Optional[str] = None):
         self.tokenizer = tok
@@ -201,9 +202,3 @@ class MegatronTokenizerAdapter:
             "eod": self.eod,
             "sha256": sha256 or tokenizer_sha256(tok),
         }
-
-    def tokenize(self, text: str):
-        return self.tokenizer.encode(text).ids
-
-    def detokenize(self, ids):
-        return self.tokenizer.decode(list(ids))

@@ -4,9 +4,9 @@
     python -m launch.ablations --seeds 1 2 3 --steps 80 --jobs 2   # other seeds / length
     python -m launch.ablations --report-only           # rebuild docs/ablations/ from existing runs
 
-Every run is `train.py precision=<config> trainer.seed=<seed>` with the same study overrides
-(STUDY_OVERRIDES below, `--steps` sets trainer.max_steps), so all configs of one seed see the same
-data order and the same initial weights. Runs live in `<runs-dir>/<config>-s<seed>/`
+Every run is `train.py experiment=ablations precision=<config> trainer.seed=<seed>`, one per
+precision recipe in recipes/precision/ (`--steps` sets trainer.max_steps), so all configs of one
+seed see the same data order and the same initial weights. Runs live in `<runs-dir>/<config>-s<seed>/`
 (default runs/ablations/, gitignored). A run whose metrics.jsonl holds the final step with its
 val_loss is skipped; an interrupted one resumes from its newest checkpoint (run.resume=auto); one
 that stopped on a NaN/Inf loss (exit 4) is recorded as diverged and not retried.
@@ -33,25 +33,29 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from training import metrics
+
 REPO = Path(__file__).resolve().parents[1]
 
-CONFIGS = ["bf16", "fp8", "nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_no_2d",
-           "nvfp4_no_bf16_layers", "nvfp4_naive", "mxfp4", "nvfp4_switch"]
+RECIPES = REPO / "recipes"
+# Every precision recipe is a config of the study; BF16, the reference of every gap, first.
+CONFIGS = sorted((p.stem for p in (RECIPES / "precision").glob("*.yaml")),
+                 key=lambda name: (name != "bf16", name))
+# Display names for the plots; a recipe without one is shown by its name.
 LABELS = {
     "bf16": "BF16", "fp8": "FP8 (block-scaled E4M3)", "nvfp4": "NVFP4 (full recipe)",
     "nvfp4_no_rht": "NVFP4 - RHT", "nvfp4_no_sr": "NVFP4 - SR", "nvfp4_no_2d": "NVFP4 - 2D weights",
     "nvfp4_no_bf16_layers": "NVFP4 - BF16 layers", "nvfp4_naive": "NVFP4 naive (nothing)",
     "mxfp4": "MXFP4", "nvfp4_switch": "NVFP4 + BF16 from 80%",
+    "nvfp4_mamba_proj_bf16": "NVFP4, Mamba projections BF16",
 }
-# The study's config on top of recipes/ (model demo with its own bf16_first/last_layers = 1/2,
-# trainer demo's lr 3e-3 / WSD schedule). Shorter sequences and one micro-batch per step keep a
-# run CPU-sized; the step count comes from --steps.
-STUDY_OVERRIDES = [
-    "trainer.seq_length=128", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
-    "trainer.warmup_steps=10", "trainer.eval_batches=4", "trainer.keep_last=1",
-    "trainer.on_nan=stop", "logger.mode=disabled",
-]
-DEFAULT_STEPS = 80
+# The study's config on top of recipes/: recipes/experiment/ablations.yaml (its trainer keys are
+# the report's settings); --steps replaces its step count.
+STUDY_OVERRIDES = ["experiment=ablations"]
+STUDY_TRAINER = OmegaConf.load(RECIPES / "experiment" / "ablations.yaml").trainer
+DEFAULT_STEPS = STUDY_TRAINER.max_steps
 STATUS = "ablation.json"  # per run dir: exit code, wall time, (diverged) step
 
 
@@ -69,13 +73,7 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     out: dict[int, dict] = {}
     if not path.exists():
         return out
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by a kill
-            continue
-        if "event" in rec:
-            continue
+    for rec in metrics.read_metrics(run_dir, kind="step"):
         out[rec["step"]] = rec if rec["step"] not in out else {**out[rec["step"]], **rec}
     return out
 
@@ -105,8 +103,6 @@ def configured_steps(run_dir: Path) -> int | None:
     cfg = run_dir / "config.yaml"
     if not cfg.exists():
         return None
-    from omegaconf import OmegaConf
-
     return int(OmegaConf.load(cfg).trainer.max_steps)
 
 
@@ -437,7 +433,7 @@ def plot(runs: dict, out: Path, key: str, filename: str, title: str, noise_pct: 
         style = "--" if config in ("bf16", "fp8") else "-"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=cmap(i % 10),
                 marker="o" if key == "val_loss" else None, ms=3,
-                label=f"{LABELS[config]} (seeds {','.join(map(str, seeds))})", lw=1.6)
+                label=f"{LABELS.get(config, config)} (seeds {','.join(map(str, seeds))})", lw=1.6)
     ax.set_xlabel("tokens")
     ax.set_ylabel(f"relative {'validation' if key == 'val_loss' else 'training'} loss gap to BF16 (%)")
     ax.set_title(title)
@@ -509,9 +505,8 @@ def render_readme(res: dict, out: Path) -> str:
     st = res["study"]
     steps = st.get("steps")
     ov = st.get("overrides") or STUDY_OVERRIDES
-    seq = next((o.split("=")[1] for o in ov if o.startswith("trainer.seq_length=")), "?")
-    gbs = next((o.split("=")[1] for o in ov if o.startswith("trainer.global_batch_size=")), "?")
-    tokens = steps * int(seq) * int(gbs) if steps and seq != "?" else None
+    seq, gbs = STUDY_TRAINER.seq_length, STUDY_TRAINER.global_batch_size
+    tokens = steps * seq * gbs if steps else None
     L = []
     headline = out / "headline.md"
     L.append("# Precision ablations at CPU scale\n")
@@ -521,7 +516,7 @@ def render_readme(res: dict, out: Path) -> str:
     L.append(f"Demo hybrid (`M-M*-M-M-`, ~6M parameters, first 1 / last 2 pattern layers in BF16), "
              f"{steps} steps x {gbs} sequences x {seq} tokens = {tokens:,} tokens per run, "
              f"same data order and initial weights for every config of a seed. "
-             f"Final validation loss on {next((o.split('=')[1] for o in ov if 'eval_batches' in o), '?')}"
+             f"Final validation loss on {STUDY_TRAINER.eval_batches}"
              f" fixed held-out batches of {gbs} x {seq} tokens. Gap to BF16 = (loss - BF16's loss "
              f"of the same seed) / BF16's, averaged over the seeds both ran (per-seed values in "
              f"brackets); late train-loss gap = the same for the mean training loss over the last "

@@ -431,7 +431,7 @@ def reference_check(ref, t: torch.Tensor, what: str) -> dict:
 def precision_linears(core: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{`layers.<i>.<linear>`: module} of every linear whose GEMM follows a precision decision
     (the names precision.overrides and the policy use)."""
-    from nvfp4_recipe.parallel_linear import _PrecisionLinearMixin
+    from nvfp4_recipe.megatron.parallel_linear import _PrecisionLinearMixin
 
     out = {}
     for name, module in core.named_modules():
@@ -461,7 +461,7 @@ class Capture:
             module._precision_gemm = self._wrap(name, module._precision_gemm)
 
     def _wrap(self, name, gemm):
-        from nvfp4_recipe.parallel_linear import COMPUTE_DTYPE
+        from nvfp4_recipe.megatron.parallel_linear import COMPUTE_DTYPE
 
         def wrapped(x, weight, bias):
             out = gemm(x, weight, bias)
@@ -507,7 +507,7 @@ def recipe_configs(name: str, model_cfg) -> dict[str, object]:
     """{linear name: its emulated-GEMM config (None = BF16)} under recipe `name`, from the
     project's precision policy (the first/last BF16 layers, overrides)."""
     from model.build import precision_policy
-    from nvfp4_recipe.parallel_linear import gemm_config_for
+    from nvfp4_recipe.registry import gemm_config_for
 
     pcfg = precision_config(name)
     policy = precision_policy(model_cfg, pcfg)

@@ -25,17 +25,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from training.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = REPO / "tests" / "golden"
 PRECISIONS = ["bf16", "nvfp4"]
-STEPS = 8
-# tests/train_helpers.py's FAST config, 8 steps, no evaluation, one checkpoint at the end.
-OVERRIDES = [
-    "trainer.seq_length=128", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
-    "trainer.warmup_steps=2", "trainer.eval_batches=2", "logger.mode=disabled",
-    f"trainer.max_steps={STEPS}", "trainer.eval_every=1000", "trainer.save_every=1000",
-    "trainer.seed=1234", "trainer.on_nan=stop",
-]
+# The run: recipes/experiment/golden.yaml (the test-sized trainer, 8 steps, no evaluation, one
+# checkpoint at the end) under each precision.
+RECIPE = REPO / "recipes" / "experiment" / "golden.yaml"
+STEPS = OmegaConf.load(RECIPE).trainer.max_steps
 THREADS = 1
 ENV = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "PYTHONUNBUFFERED": "1"}
 # Another torch build (or BLAS / CPU ISA) sums in another order: ~1e-7 relative per GEMM, which
@@ -49,7 +49,7 @@ TOLERANCE_BASIS = {"bf16": "1 vs 2 torch threads, same build: max |diff| 1.7e-4"
 
 
 def overrides(precision: str) -> list[str]:
-    return [f"precision={precision}", *OVERRIDES]
+    return ["experiment=golden", f"precision={precision}"]
 
 
 def corpus_key() -> str:
@@ -71,11 +71,7 @@ def machine() -> str:
 
 
 def losses_of(run_dir: Path) -> list[float]:
-    by_step = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            by_step[rec["step"]] = rec["loss"]
+    by_step = {rec["step"]: rec["loss"] for rec in read_metrics(run_dir, kind="step")}
     return [by_step[s] for s in sorted(by_step)]
 
 

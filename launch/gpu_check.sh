@@ -16,8 +16,8 @@
 #   demo_bf16   DEMO_STEPS (GPU 30) steps of the demo: BF16 weights, megatron's DDP and distributed
 #               optimizer (DP=1), megatron's schedule (on CUDA), full activation recompute
 #   demo_nvfp4  the same with emulated NVFP4 GEMMs
-#   bench       python -m launch.bench: GEMMs at 12B shapes; training tokens/s and MFU of the demo
-#               and (GPU) of the ~1B hybrid, BF16 and NVFP4
+#   bench       python -m benchmarks.hardware: GEMMs at 12B shapes; training tokens/s and MFU of
+#               the demo and (GPU) of the ~1B hybrid, BF16 and NVFP4
 # Without CUDA it runs the same parts in CPU mode (tests and SSD skip with the reason, small demos
 # and the quick bench) and says so.
 #
@@ -287,7 +287,7 @@ if selected deps; then deps; else record deps "skipped: not in GPU_CHECK_PARTS=$
 # -- 2. what machine is this ----------------------------------------------------------------------
 "$PYTHON" - > "$OUT/hardware.json" 2>> "$LOG" <<'EOF'
 import json
-from nvfp4_recipe.benchmarking import device_info
+from benchmarks.machine import device_info
 print(json.dumps(device_info(), indent=2, default=str))
 EOF
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
@@ -319,7 +319,7 @@ part ssd_triton "$LIMIT_SSD" "$PYTHON" -m launch.ssd_check --json "$OUT/ssd_trit
 part demo_bf16 "$LIMIT_DEMO_BF16" "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"
 part demo_nvfp4 "$LIMIT_DEMO_NVFP4" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \
     run.dir="$OUT/demo_nvfp4" "${DEMO_COMMON[@]}"
-part bench "$LIMIT_BENCH" "$PYTHON" -m launch.bench "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
+part bench "$LIMIT_BENCH" "$PYTHON" -m benchmarks.hardware "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
 
 # -- 4. summary -----------------------------------------------------------------------------------
 write_summary

@@ -77,7 +77,7 @@ class Case:
 CASES = (
     # several groups, a sequence that ends in a partial chunk (300 = 2 x 128 + 44)
     Case("4 groups, partial last chunk", 2, 300, 8, 32, 4, 32, 128),
-    # the ~1B hybrid's mixer (launch/bench.py HYBRID_1B): 64 heads x 64, state 128, 8 groups, in
+    # the ~1B hybrid's mixer (benchmarks/hardware.py HYBRID_1B): 64 heads x 64, state 128, 8 groups, in
     # the training dtype only (each dtype and shape is another Triton compile)
     Case("hybrid_1b mixer", 1, 1024, 64, 64, 8, 128, 128, (torch.bfloat16,)),
 )

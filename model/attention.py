@@ -46,7 +46,7 @@ class SDPACoreAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise NotImplementedError(
                 "context parallelism is not supported with the portable attention; "
-                "set parallel.context=1 or use the TE spec on GPUs"
+                "this project builds context_parallel_size=1 (use the TE spec for context parallelism)"
             )
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"only causal self-attention is supported, got {attn_mask_type}")

@@ -94,7 +94,7 @@ def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine
 
 def probe_machine(precision: PrecisionConfig) -> Machine:
     """Probe this machine for `select_backend` (imports TE and the Mamba kernels; never raises)."""
-    from nvfp4_recipe.te_mapping import probe_te_support
+    from nvfp4_recipe.megatron.te_mapping import probe_te_support
 
     from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels
 

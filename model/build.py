@@ -10,10 +10,10 @@ from megatron.core.activations import squared_relu
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+import compat
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
-from nvfp4_recipe.te_runtime import te_layer_context, te_linear_context
+from nvfp4_recipe.megatron.te_runtime import te_layer_context, te_linear_context
 
-from . import compat
 from .backend import SPEC_OF_BACKEND, choose_backend  # noqa: F401  (choose_backend: re-exported)
 from .config import ModelConfig
 from .recompute import RecomputeConfig
@@ -107,7 +107,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     state = RuntimePrecisionState()
     decisions = policy.layers()
     if backend == "te":
-        from nvfp4_recipe.te_mapping import build_te_recipe, te_formats
+        from nvfp4_recipe.megatron.te_mapping import build_te_recipe, te_formats
 
         # One recipe object per format (the recipe's own, and any other an override uses).
         recipes = {fmt: build_te_recipe(dataclasses.replace(precision, format=fmt))

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
 
 LAYER_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}
+
+
+class LayerSpec(StrEnum):
+    """`model.spec`; a member is named by its YAML spelling and equals it (see training/config.py)."""
+
+    auto = "auto"
+    portable = "portable"
+    te = "te"
 
 
 @dataclass
@@ -36,10 +45,10 @@ class ModelConfig:
     # for this depth (the paper: first 2 / last 8 at 12B). A precision recipe may override them.
     bf16_first_layers: int = 1
     bf16_last_layers: int = 2
-    # auto: the TE spec where TE runs the precision's recipe and mamba_ssm + causal_conv1d import,
-    # else the portable spec; portable: always (GEMMs emulated); te: the TE spec or a ValueError.
+    # auto: the TE spec where TE runs the precision's recipe and mamba_ssm imports, else the
+    # portable spec; portable: always (GEMMs emulated); te: the TE spec or a ValueError.
     # Decided by model/backend.py.
-    spec: str = "auto"
+    spec: LayerSpec = LayerSpec.auto
     # Continued pretraining: a Hugging Face NemotronH directory (config.json + *.safetensors) whose
     # weights a new run starts from instead of a random init, at any TP/PP (model/hf.py). Its
     # config.json must match the fields above; a run that has checkpoints resumes from them.
@@ -83,8 +92,6 @@ class ModelConfig:
                 f"model.mamba_num_heads={self.mamba_num_heads} must be a multiple of "
                 f"model.mamba_num_groups={self.mamba_num_groups}"
             )
-        if self.spec not in ("auto", "portable", "te"):
-            raise ValueError(f"model.spec={self.spec!r}: choose auto, portable or te")
         if self.init_from is not None:
             if not str(self.init_from).strip():
                 raise ValueError("model.init_from='' : give a Hugging Face model directory, "

@@ -320,6 +320,28 @@ class MambaMixer(MegatronModule):
         self.use_kernels = use_kernels
         self.activation = "silu"
 
+        self._set_process_groups(pg_collection)
+        self._set_sizes(config)
+
+        # Parameters are created on the CUDA device unless use_cpu_initialization (then on the
+        # ambient default device, so `with torch.device("meta"):` works).
+        if config.use_cpu_initialization or not torch.cuda.is_available():
+            device = None
+        else:
+            device = torch.cuda.current_device()
+        params_dtype = config.params_dtype
+
+        # The order below is the order of the random draws: it decides the initial weights.
+        self.in_proj = self._build_in_proj(submodules.in_proj, bias)
+        self.conv1d = self._build_conv1d(d_conv, conv_bias, device, params_dtype)
+        self._create_ssm_parameters(A_init_range, dt_min, dt_max, dt_init_floor, device,
+                                    params_dtype)
+        self.norm = self._build_norm(device, params_dtype)
+        self.out_proj = self._build_out_proj(submodules.out_proj, bias)
+
+    def _set_process_groups(self, pg_collection: Optional[ProcessGroupCollection]) -> None:
+        """The TP group from megatron's MambaLayer (it passes pg_collection); built directly,
+        the mixer takes megatron's global (mpu) groups."""
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
@@ -328,6 +350,8 @@ class MambaMixer(MegatronModule):
         if cp_group is not None and cp_group.size() > 1:
             raise NotImplementedError("context parallelism is not supported by this Mamba mixer")
 
+    def _set_sizes(self, config) -> None:
+        """Heads, groups and state sizes from the config, in total and on this TP rank."""
         self.d_state = config.mamba_state_dim
         self.headdim = config.mamba_head_dim
         self.ngroups = config.mamba_num_groups
@@ -350,17 +374,10 @@ class MambaMixer(MegatronModule):
         self.d_inner_local_tp = self.d_inner // tp_size
         self.ngroups_local_tp = self.ngroups // tp_size
 
-        # Parameters are created on the CUDA device unless use_cpu_initialization (then on the
-        # ambient default device, so `with torch.device("meta"):` works).
-        if config.use_cpu_initialization or not torch.cuda.is_available():
-            device = None
-        else:
-            device = torch.cuda.current_device()
-        params_dtype = config.params_dtype
-
-        # z, x, B, C, dt — column parallel, local layout [z_l, x_l, B_l, C_l, dt_l]
-        self.in_proj = build_module(
-            submodules.in_proj,
+    def _build_in_proj(self, spec, bias: bool):
+        """z, x, B, C, dt: column parallel, local layout [z_l, x_l, B_l, C_l, dt_l]."""
+        return build_module(
+            spec,
             self.d_model,
             self.d_inner * 2 + 2 * self.ngroups * self.d_state + self.nheads,
             config=self.config,
@@ -368,7 +385,7 @@ class MambaMixer(MegatronModule):
                 self.config.init_method,
                 [self.d_inner, self.d_inner, self.ngroups * self.d_state,
                  self.ngroups * self.d_state, self.nheads],
-                tp_size,
+                self.tp_group.size(),
             ),
             gather_output=False,
             bias=bias,
@@ -378,16 +395,20 @@ class MambaMixer(MegatronModule):
             tp_group=self.tp_group,
         )
 
+    def _build_conv1d(self, d_conv: int, conv_bias: bool, device, dtype) -> nn.Conv1d:
+        """The depthwise causal conv over x, B, C: weight [conv_dim, 1, d_conv], bias [conv_dim]
+        (the forward pads causally itself).
+
+        Each per-channel / per-head parameter (here and in _create_ssm_parameters) is drawn at its
+        full (TP=1) size and this rank keeps its shard, so a TP=2 model starts from exactly the
+        TP=1 weights (megatron's use_cpu_initialization does the same for the linears). Megatron's
+        GPU path draws per-rank values under the model-parallel RNG fork instead.
+        """
+        tp_rank, tp_size = self.tp_group.rank(), self.tp_group.size()
         conv_dim = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state  # x B C
-        # Draw each per-channel / per-head parameter at its full (TP=1) size and keep this rank's
-        # shard, so a TP=2 model starts from exactly the TP=1 weights (megatron's
-        # use_cpu_initialization does the same for the linears). Megatron's GPU path draws
-        # per-rank values under the model-parallel RNG fork instead.
-        tp_rank, tp_size = self.tp_group.rank(), tp_size
         conv_parts = [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state]
         with _param_rng_context():
-            # weight [conv_dim, 1, d_conv], bias [conv_dim]; forward pads causally itself
-            self.conv1d = nn.Conv1d(
+            conv1d = nn.Conv1d(
                 in_channels=conv_dim,
                 out_channels=conv_dim,
                 bias=conv_bias,
@@ -395,29 +416,33 @@ class MambaMixer(MegatronModule):
                 groups=conv_dim,
                 padding=d_conv - 1,
                 device="meta",
-                dtype=params_dtype,
+                dtype=dtype,
             )
             full_conv = nn.Conv1d(sum(conv_parts), sum(conv_parts), kernel_size=d_conv,
                                   groups=sum(conv_parts), bias=conv_bias, device=device,
-                                  dtype=params_dtype)
-            if config.perform_initialization:
+                                  dtype=dtype)
+            if self.config.perform_initialization:
                 if self.conv_init is not None:
                     nn.init.uniform_(full_conv.weight, -self.conv_init, self.conv_init)
                 else:
                     nn.init.kaiming_uniform_(full_conv.weight, a=math.sqrt(5))
-            self.conv1d.weight = nn.Parameter(
+            conv1d.weight = nn.Parameter(
                 _tp_shard(full_conv.weight.data, conv_parts, tp_rank, tp_size))
-            setattr(self.conv1d.weight, "tensor_model_parallel", True)
+            setattr(conv1d.weight, "tensor_model_parallel", True)
             if conv_bias:
-                self.conv1d.bias = nn.Parameter(
+                conv1d.bias = nn.Parameter(
                     _tp_shard(full_conv.bias.data, conv_parts, tp_rank, tp_size))
-                setattr(self.conv1d.bias, "tensor_model_parallel", True)
-            del full_conv
+                setattr(conv1d.bias, "tensor_model_parallel", True)
+        return conv1d
 
+    def _create_ssm_parameters(self, A_init_range, dt_min: float, dt_max: float,
+                               dt_init_floor: float, device, dtype) -> None:
+        """dt_bias, A_log and D: per head, sharded across TP ranks."""
+        tp_rank, tp_size = self.tp_group.rank(), self.tp_group.size()
         with _param_rng_context():
             # dt_bias: softplus(dt_bias) log-uniform in [dt_min, dt_max], floored
             dt = torch.exp(
-                torch.rand(self.nheads, device=device, dtype=params_dtype)
+                torch.rand(self.nheads, device=device, dtype=dtype)
                 * (math.log(dt_max) - math.log(dt_min))
                 + math.log(dt_min)
             ).clamp(min=dt_init_floor)
@@ -436,19 +461,24 @@ class MambaMixer(MegatronModule):
         self.D = nn.Parameter(torch.ones(self.nheads_local_tp, device=device))  # fp32
         setattr(self.D, "tensor_model_parallel", True)
 
-        self.norm = GatedRMSNorm(
+    def _build_norm(self, device, dtype) -> GatedRMSNorm:
+        """The gated RMSNorm over y * silu(z), per group, sharded across TP ranks."""
+        norm = GatedRMSNorm(
             self.d_inner_local_tp,
-            eps=config.layernorm_epsilon,
+            eps=self.config.layernorm_epsilon,
             group_size=self.d_inner_local_tp // self.ngroups_local_tp,
             norm_before_gate=False,
             device=device,
-            dtype=params_dtype,
+            dtype=dtype,
             tp_group=self.tp_group,
         )
-        setattr(self.norm.weight, "tensor_model_parallel", True)
+        setattr(norm.weight, "tensor_model_parallel", True)
+        return norm
 
-        self.out_proj = build_module(
-            submodules.out_proj,
+    def _build_out_proj(self, spec, bias: bool):
+        """d_inner -> d_model, row parallel (its input is already split across TP ranks)."""
+        return build_module(
+            spec,
             self.d_inner,
             self.d_model,
             config=self.config,
@@ -553,7 +583,7 @@ class MambaMixer(MegatronModule):
                 dt_softplus=True,
             )
         else:
-            with part("mamba/ssd_scan"):  # timed by launch/profile_step (forward only)
+            with part("mamba/ssd_scan"):  # timed by benchmarks/step_profile.py (forward only)
                 y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D,
                                    dt_bias=self.dt_bias, dt_softplus=True)
 

@@ -26,12 +26,12 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from nvfp4_recipe.parallel_linear import (
+from nvfp4_recipe.megatron.parallel_linear import (
     PrecisionColumnParallelLinear,
     PrecisionRowParallelLinear,
-    gemm_config_for,
 )
 from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisionState
+from nvfp4_recipe.registry import gemm_config_for
 
 from .attention import PortableSelfAttention, SDPACoreAttention
 from .config import ModelConfig
@@ -195,7 +195,7 @@ def with_gemm_context(cls: type) -> type:
 def with_linear_contexts(layer: ModuleSpec, contexts: dict) -> ModuleSpec:
     """A TE layer spec whose linears named in `contexts` ({module name: context factory}) are
     built as `with_gemm_context(their class)`: how a linear overridden to another format than its
-    layer runs on TE (nvfp4_recipe.te_runtime.te_linear_context)."""
+    layer runs on TE (nvfp4_recipe.megatron.te_runtime.te_linear_context)."""
     for name, context in contexts.items():
         parent_name, slot = _TE_LINEAR_SLOTS[name]
         parent = getattr(layer.submodules, parent_name)

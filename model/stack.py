@@ -20,7 +20,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from .compat import base_stack_class
+from compat import base_stack_class
+
 from .config import LAYER_SYMBOLS
 from .recompute import (RecomputeConfig, checkpoint_implementation, checkpointed_chunks,
                         recompute)

@@ -1,8 +1,10 @@
 """NVFP4 pretraining numerics: quantizers (NVFP4, MXFP4, FP8 block), the 16-point RHT, stochastic
-rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas.
+rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas; the
+format registry (registry.py: each format's config, emulated ops, TE recipe, device rules) and
+the precision policy (policy.py: the `precision` config and each linear's format).
 
-Depends on torch only. (policy.py and te_mapping.py, written separately, are the only modules that
-know Megatron / TE, and import them lazily.)
+Depends on torch only. The subpackage `nvfp4_recipe.megatron` applies all this to megatron-core
+models and Transformer Engine layers; importing `nvfp4_recipe` does not import it.
 """
 
 from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
 from nvfp4_recipe.kernels import check_kernel_mode
 
-Gemm = Literal["fast", "exact"]
-_GEMMS = ("fast", "exact")
+
+class Gemm(StrEnum):
+    """How the emulated GEMM multiplies the exact q*s operands (`precision.gemm`)."""
+
+    fast = "fast"  # in bf16, FP32 tensor scales applied to its bf16 output
+    exact = "exact"  # in FP32
 
 
 def _check_gemm(gemm: str, owner: str) -> None:
-    if gemm not in _GEMMS:
+    if gemm not in tuple(Gemm):
         raise ValueError(f"{owner}.gemm={gemm!r} is not supported; use 'fast' or 'exact'")
 
 
@@ -39,7 +43,7 @@ class NVFP4Config:
     weight_2d: bool = True
     quantize_forward: bool = True
     quantize_backward: bool = True
-    gemm: Gemm = "fast"
+    gemm: Gemm = Gemm.fast
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
@@ -55,7 +59,7 @@ class MXFP4Config:
     stochastic_rounding: bool = False
     quantize_forward: bool = True
     quantize_backward: bool = True
-    gemm: Gemm = "fast"
+    gemm: Gemm = Gemm.fast
 
     def __post_init__(self) -> None:
         _check_gemm(self.gemm, "MXFP4Config")
@@ -69,7 +73,7 @@ class FP8BlockConfig:
     power_2_scales: bool = True
     quantize_forward: bool = True
     quantize_backward: bool = True
-    gemm: Gemm = "fast"
+    gemm: Gemm = Gemm.fast
 
     def __post_init__(self) -> None:
         _check_gemm(self.gemm, "FP8BlockConfig")

@@ -6,10 +6,8 @@ from typing import Literal
 
 import torch
 
-from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
-from nvfp4_recipe.fp8_block import FP8_BLOCK, quantize_fp8_block
-from nvfp4_recipe.mxfp4 import quantize_mxfp4
-from nvfp4_recipe.nvfp4 import BLOCK, quantize_nvfp4
+from nvfp4_recipe.config import QuantConfig
+from nvfp4_recipe.linear import ops_for
 
 Role = Literal["activation", "weight", "gradient"]
 ROLES = ("activation", "weight", "gradient")
@@ -23,23 +21,14 @@ def quantize_dequantize(x: torch.Tensor, config: QuantConfig, role: Role = "acti
 
     NVFP4: activation 1x16 nearest; weight 16x16 (1x16 if config.weight_2d is off) nearest;
     gradient 1x16, stochastic if config.stochastic_rounding. MXFP4: 1x32 (SR on gradients if set).
-    FP8 block: weight 128x128, others 1x128. x must be 2-D (weights) or (..., K).
+    FP8 block: weight 128x128, others 1x128. x must be 2-D (weights) or (..., K). Each format's
+    rule is its emulated ops' `quantize_dequantize` (nvfp4_recipe/linear.py).
     """
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not supported; use one of {ROLES}")
+    ops = ops_for(config)
     generator = torch.Generator(device=x.device).manual_seed(_DIAGNOSTICS_SEED)
-    if isinstance(config, NVFP4Config):
-        tile = (BLOCK, BLOCK) if role == "weight" and config.weight_2d else (1, BLOCK)
-        stochastic = role == "gradient" and config.stochastic_rounding
-        q = quantize_nvfp4(x, tile, "stochastic" if stochastic else "nearest", generator)
-        return q.dequantize()
-    if isinstance(config, MXFP4Config):
-        stochastic = role == "gradient" and config.stochastic_rounding
-        return quantize_mxfp4(x, "stochastic" if stochastic else "nearest", generator).dequantize()
-    if isinstance(config, FP8BlockConfig):
-        block = (FP8_BLOCK, FP8_BLOCK) if role == "weight" else (1, FP8_BLOCK)
-        return quantize_fp8_block(x, block, config.power_2_scales).dequantize()
-    raise ValueError(f"config of type {type(config).__name__} is not supported")
+    return ops.quantize_dequantize(x, role, generator)
 
 
 def quantization_error_stats(

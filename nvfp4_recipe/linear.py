@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
-from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values
+from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values, quantize_fp8_block
 from nvfp4_recipe.hadamard import rht_matrix
-from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values
-from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values
+from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values, quantize_mxfp4
+from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values, quantize_nvfp4
 from nvfp4_recipe.parts import part
 
 
@@ -64,7 +64,7 @@ def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> tor
 
 
 class _FormatOps:
-    """How one format quantizes each GEMM operand. Subclasses set `block` and the quantizers."""
+    """How one format quantizes each GEMM operand (registry.py names each format's subclass)."""
 
     block: int
     name: str
@@ -101,6 +101,9 @@ class _FormatOps:
     # The Wgrad operands take the (T, C) tensors; blocks run along T (see wgrad_source).
     def grad_wgrad(self, dy2d: torch.Tensor, generator: torch.Generator | None) -> GemmOperand: ...
     def activation_wgrad(self, x2d: torch.Tensor) -> GemmOperand: ...
+    # Q(x) in float32 as the rowwise (Fprop / Dgrad) operand of `role` sees it (diagnostics.py).
+    def quantize_dequantize(self, x: torch.Tensor, role: str,
+                            generator: torch.Generator) -> torch.Tensor: ...
 
 
 class _NVFP4Ops(_FormatOps):
@@ -137,6 +140,12 @@ class _NVFP4Ops(_FormatOps):
     def activation_wgrad(self, x2d):
         return self._q(self.wgrad_source(x2d))
 
+    def quantize_dequantize(self, x, role, generator):
+        tile = (BLOCK, BLOCK) if role == "weight" and self.config.weight_2d else (1, BLOCK)
+        stochastic = role == "gradient" and self.config.stochastic_rounding
+        q = quantize_nvfp4(x, tile, "stochastic" if stochastic else "nearest", generator)
+        return q.dequantize()
+
 
 class _MXFP4Ops(_FormatOps):
     block = MX_BLOCK
@@ -163,6 +172,10 @@ class _MXFP4Ops(_FormatOps):
 
     def activation_wgrad(self, x2d):
         return self._q(self.wgrad_source(x2d))
+
+    def quantize_dequantize(self, x, role, generator):
+        stochastic = role == "gradient" and self.config.stochastic_rounding
+        return quantize_mxfp4(x, "stochastic" if stochastic else "nearest", generator).dequantize()
 
 
 class _FP8BlockOps(_FormatOps):
@@ -198,18 +211,17 @@ class _FP8BlockOps(_FormatOps):
     def activation_wgrad(self, x2d):
         return self._q(self.wgrad_source(x2d))
 
+    def quantize_dequantize(self, x, role, generator):
+        block = (FP8_BLOCK, FP8_BLOCK) if role == "weight" else (1, FP8_BLOCK)
+        return quantize_fp8_block(x, block, self.config.power_2_scales).dequantize()
 
-def _ops_for(config: QuantConfig) -> _FormatOps:
-    if isinstance(config, NVFP4Config):
-        return _NVFP4Ops(config)
-    if isinstance(config, MXFP4Config):
-        return _MXFP4Ops(config)
-    if isinstance(config, FP8BlockConfig):
-        return _FP8BlockOps(config)
-    raise ValueError(
-        f"config of type {type(config).__name__} is not supported; pass NVFP4Config, MXFP4Config, "
-        f"FP8BlockConfig, or None for plain high precision"
-    )
+
+def ops_for(config: QuantConfig) -> _FormatOps:
+    """The ops of a config's format (ValueError for a type no format registers)."""
+    # Imported here: the registry imports this module's ops classes.
+    from nvfp4_recipe.registry import spec_of_config
+
+    return spec_of_config(config).ops(config)
 
 
 # Rows of the source per block in transpose_padded: 2-5x faster than one strided copy on CPU (each
@@ -288,7 +300,7 @@ class _QuantizedLinear(torch.autograd.Function):
         weight_operand = None
         if config.quantize_forward:
             weight_operand = cache.fprop if cache is not None else None
-            # The labels time each part in launch/profile_step.py (nvfp4_recipe/parts.py).
+            # The labels time each part in benchmarks/step_profile.py (nvfp4_recipe/parts.py).
             with part(QUANTIZE):
                 if weight_operand is None:
                     weight_operand = ops.weight_fprop(weight)
@@ -364,9 +376,9 @@ def quantized_linear(
     weight's quantized operands (the caller clears it when the weight changes)."""
     if config is None or not (config.quantize_forward or config.quantize_backward):
         if config is not None:
-            _ops_for(config)  # still reject unknown config types
+            ops_for(config)  # still reject unknown config types
         return F.linear(x, weight, bias)
-    ops = _ops_for(config)
+    ops = ops_for(config)
     ops.check_shapes(x, weight)
     cache = weight_cache.for_config(config) if weight_cache is not None else None
     return _QuantizedLinear.apply(x, weight, bias, ops, generator, cache)

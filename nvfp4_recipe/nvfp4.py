@@ -1,7 +1,9 @@
 """NVFP4 quantization: E2M1 elements, E4M3 scales per 1x16 block (or 16x16 tile), FP32 tensor scale.
 
-Bit-exact to Transformer Engine's default (non-"4over6") path; the formulas and their operation
-order are in /work/shared/notes/nvfp4-recipe.md ("Quantization, exactly as TE computes it").
+Bit-exact to Transformer Engine's default (non-"4over6") path: the formulas and their operation
+order follow TE's reference quantizer (transformer_engine/pytorch/custom_recipes/reference_nvfp4.py,
+TE >= 2.8) and "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149, its format
+section); each step is written out where it is computed (tensor_scales, block_scales, formats.py).
 """
 
 from __future__ import annotations

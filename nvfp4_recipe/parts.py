@@ -1,4 +1,4 @@
-"""Wall time per labelled part of a step, for `launch/profile_step.py` (issue 16, item 1).
+"""Wall time per labelled part of a step, for `benchmarks/step_profile.py` (issue 16, item 1).
 
 torch.profiler charges ~10 us to every op, and the emulated GEMMs run many small ops: under it
 an NVFP4 step took 7.7x longer than without it, so its split says more about the profiler than

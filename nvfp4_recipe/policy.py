@@ -1,25 +1,41 @@
 """The precision policy: which GEMM format each linear of each pattern layer uses.
 
-This module is pure Python (no megatron or TE import): it turns the `precision` config into
-per-layer decisions and, through `precision.overrides`, per-linear ones.
-`nvfp4_recipe.parallel_linear` turns a decision into a megatron-core linear class (emulated),
-`nvfp4_recipe.te_mapping` into a Transformer Engine recipe (Blackwell).
+The `precision` config group's schema and its choices, and the policy that turns it into
+per-layer decisions and, through `precision.overrides`, per-linear ones. No megatron or TE
+import: `nvfp4_recipe.megatron.parallel_linear` turns a decision into a megatron-core linear
+(emulated GEMMs), `nvfp4_recipe.megatron.te_mapping` into a Transformer Engine recipe (Blackwell).
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .config import Gemm
 from .kernels import KERNEL_MODES, use_compiled
+from .registry import Format, format_names, format_spec, is_format
 
-FORMATS = ("bf16", "nvfp4", "fp8", "mxfp4")
-BACKENDS = ("auto", "te", "emulated")
-SWITCH_PASSES = ("forward", "all")
-GEMM_MODES = ("fast", "exact")
+# The choices of the schema's choice fields (str-valued, spelled as in the YAML recipes: Hydra
+# rejects another value naming these; `validate_precision` checks a config built in Python).
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    te = "te"
+    emulated = "emulated"
+
+
+class SwitchPasses(StrEnum):
+    forward = "forward"
+    all = "all"
+
+
+# How the emulation's quantizers run: nvfp4_recipe.kernels' modes.
+Kernels = StrEnum("Kernels", [(mode, mode) for mode in KERNEL_MODES], module=__name__)
 
 
 @dataclass
@@ -28,7 +44,7 @@ class SwitchToBF16Config:
     # (paper appendix D: 0.82 of 10T). None = never.
     at_fraction: Optional[float] = None
     # "all": forward and backward GEMMs switch; "forward": only Fprop (cheaper, most of the gain).
-    passes: str = "all"
+    passes: SwitchPasses = SwitchPasses.all
 
 
 @dataclass
@@ -36,7 +52,7 @@ class PrecisionConfig:
     """Hydra group `precision/`. Field docs are in the README's "Precision recipes" table."""
 
     name: str = "bf16"
-    format: str = "bf16"
+    format: Format = Format.bf16
     # Random Hadamard transform on both Wgrad operands (NVFP4 only).
     rht: bool = True
     # Stochastic rounding of gradients feeding Dgrad and Wgrad (NVFP4; MXFP4 if set).
@@ -48,11 +64,11 @@ class PrecisionConfig:
     bf16_last_layers: Optional[int] = None
     switch_to_bf16: SwitchToBF16Config = field(default_factory=SwitchToBF16Config)
     # auto: TE's FP4 GEMMs on compute capability 10.x, the nvfp4_recipe emulation elsewhere.
-    backend: str = "auto"
+    backend: Backend = Backend.auto
     # Emulated GEMM: "fast" multiplies the (exact) bf16 q*s operands in bf16, "exact" in fp32.
-    gemm: str = "fast"
+    gemm: Gemm = Gemm.fast
     # Emulation quantizers: "auto" (compiled on CPU when a C++ compiler exists), "eager", "compiled".
-    kernels: str = "auto"
+    kernels: Kernels = Kernels.auto
     # Quantization diagnostics every N optimizer steps (0 = off).
     diagnostics_every: int = 0
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
@@ -82,19 +98,14 @@ class LayerPrecision:
 
 
 def validate_precision(cfg: PrecisionConfig) -> None:
-    if cfg.format not in FORMATS:
-        raise ValueError(f"precision.format={cfg.format!r}: choose one of {', '.join(FORMATS)}")
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"precision.backend={cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
-    if cfg.gemm not in GEMM_MODES:
-        raise ValueError(f"precision.gemm={cfg.gemm!r}: choose one of {', '.join(GEMM_MODES)}")
-    if cfg.kernels not in KERNEL_MODES:
-        raise ValueError(f"precision.kernels={cfg.kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
-    if cfg.switch_to_bf16.passes not in SWITCH_PASSES:
-        raise ValueError(
-            f"precision.switch_to_bf16.passes={cfg.switch_to_bf16.passes!r}: "
-            f"choose one of {', '.join(SWITCH_PASSES)}"
-        )
+    """Hydra checks the choice fields of a composed config; this checks one built in Python too."""
+    if not is_format(cfg.format):
+        raise ValueError(f"precision.format={cfg.format!r}: choose one of {format_names()}")
+    for key, value, choices in (("backend", cfg.backend, Backend), ("gemm", cfg.gemm, Gemm),
+                                ("kernels", cfg.kernels, Kernels),
+                                ("switch_to_bf16.passes", cfg.switch_to_bf16.passes, SwitchPasses)):
+        if value not in tuple(choices):
+            raise ValueError(f"precision.{key}={value!r}: choose one of {', '.join(choices)}")
     at = cfg.switch_to_bf16.at_fraction
     if at is not None and not 0.0 <= at <= 1.0:
         raise ValueError(
@@ -106,15 +117,15 @@ def validate_precision(cfg: PrecisionConfig) -> None:
     for pattern, fmt in cfg.overrides.items():
         if not isinstance(pattern, str) or not pattern.strip():
             raise ValueError(f"precision.overrides: {pattern!r} is not a module-name pattern")
-        if fmt not in FORMATS:
+        if not is_format(fmt):
             raise ValueError(f"precision.overrides[{pattern!r}]={fmt!r}: choose one of "
-                             f"{', '.join(FORMATS)}")
+                             f"{format_names()}")
 
 
 def low_precision_formats(cfg: PrecisionConfig) -> list[str]:
     """Every low-precision format a run may use: the recipe's and the overrides' (no bf16)."""
-    formats = [cfg.format, *cfg.overrides.values()]
-    return sorted({f for f in formats if f != "bf16"}, key=FORMATS.index)
+    formats = {Format(f) for f in (cfg.format, *cfg.overrides.values())}
+    return sorted(formats - {Format.bf16}, key=list(Format).index)
 
 
 def resolve_overrides(overrides: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
@@ -304,8 +315,9 @@ class RuntimePrecisionState:
 
 
 def describe_kernels(cfg: PrecisionConfig, backend: str, device) -> str:
-    """How the emulation quantizes, for the start-up line ("" where nothing is emulated in NVFP4)."""
-    if backend != "emulated" or cfg.format != "nvfp4":
+    """How the emulation quantizes, for the start-up line ("" where the emulated format has no
+    compiled quantizers, or nothing is emulated)."""
+    if backend != "emulated" or not format_spec(cfg.format).compiled_kernels:
         return ""
     mode = "compiled" if use_compiled(cfg.kernels, torch.device(device)) else "eager"
     return f"{mode} quantizers (precision.kernels={cfg.kernels})"

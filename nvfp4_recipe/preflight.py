@@ -2,7 +2,7 @@
 slower one, or fail? And is this device / Transformer Engine release a known-bad combination?
 
 Pure functions over plain numbers (no torch, megatron or TE import), so the dry run can check a
-cluster layout from a laptop. The caller (model/plan.py) gives each low-precision linear's local
+cluster layout from a laptop. The caller (training/preflight.py) gives each low-precision linear's local
 shape on one tensor-parallel rank; here each linear becomes its three GEMMs and their operands:
 
     Fprop  y  = x W^T     x (T, K) row-wise, W (N, K) row-wise
@@ -212,12 +212,12 @@ RULES: tuple[Rule, ...] = (
     Rule("emulated.nvfp4.block_16", "emulated", ("nvfp4",), "fail",
          "emulated NVFP4: K and N multiples of the 16-element block (T is zero-padded)",
          "ValueError from the emulated linear",
-         "nvfp4_recipe/linear.py:70-83 (_FormatOps.check_shapes), BLOCK = 16 (nvfp4.py)",
+         "nvfp4_recipe/linear.py:78-91 (_FormatOps.check_shapes), BLOCK = 16 (nvfp4.py)",
          _emulated_block(16)),
     Rule("emulated.mxfp4.block_32", "emulated", ("mxfp4",), "fail",
          "emulated MXFP4: K and N multiples of the 32-element block (T is zero-padded)",
          "ValueError from the emulated linear",
-         "nvfp4_recipe/linear.py:70-83 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp4.py)",
+         "nvfp4_recipe/linear.py:78-91 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp4.py)",
          _emulated_block(32)),
     # Emulated FP8 zero-pads a partial 128-block (linear.py: whole_blocks_only = False): no rule.
 )

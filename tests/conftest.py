@@ -11,6 +11,37 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("nvfp4-cache")
 
 
+@pytest.fixture(scope="session")
+def demo_corpus(tmp_path_factory):
+    """(cache_dir, DemoCorpus) of the default demo corpus, built once per session."""
+    from data.demo import ensure_demo_corpus
+
+    cache = str(tmp_path_factory.mktemp("data-cache"))
+    return cache, ensure_demo_corpus(cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> str:
+    """Path of a small (300-token) byte-level BPE tokenizer.json."""
+    from data.tokenizer import train_bpe_tokenizer
+
+    words = ["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"] * 50
+    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    train_bpe_tokenizer(words, 300).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def parallel_context():
+    """The trainer's own one-process set-up (training.distributed): a gloo group of one and
+    megatron's parallel state at tensor = pipeline = 1, torn down after the module."""
+    from training.distributed import init_distributed, shutdown
+
+    context = init_distributed(1, 1, "gloo")
+    yield context
+    shutdown()
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """The local Slurm of .ci/slurm-up.sh (or any Slurm the environment points at)."""

@@ -1,4 +1,4 @@
-"""The hardware bench (`python -m launch.bench`) and the prepared GPU check (launch/gpu_check.sh)
+"""The hardware bench (`python -m benchmarks.hardware`) and the prepared GPU check (launch/gpu_check.sh)
 in their CPU modes: the table has the emulation rows and honest skipped rows, the JSON has the
 documented keys, ratios are positive finite numbers."""
 
@@ -23,7 +23,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 def quick_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.bench", "--quick", "--repeats", "1", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.hardware", "--quick", "--repeats", "1", "--json", str(out)],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text()), out
@@ -96,17 +96,16 @@ def test_skipped_rows_say_why(quick_bench):
 
 def test_te_nvfp4_skip_reason_names_the_capability(monkeypatch):
     """On a Hopper GPU the TE NVFP4 row says why (the helper, without a GPU)."""
-    import launch.bench as bench
+    import benchmarks.hardware as bench
 
     monkeypatch.setattr(bench, "_capability", lambda: (9, 0))
     assert bench.te_status("nvfp4") == (False, "NVFP4 TE GEMMs need compute capability 10.x, found 9.0")
 
 
 def test_flops_and_peaks():
-    from launch.bench import HYBRID_1B, flops_per_token
+    from benchmarks.hardware import HYBRID_1B, flops_per_token
+    from benchmarks.machine import bf16_peak_tflops
     from model.config import ModelConfig
-    from nvfp4_recipe.benchmarking import bf16_peak_tflops
-
     from model.flops import flops_per_token_terms
 
     cfg = ModelConfig(**HYBRID_1B)
@@ -166,7 +165,7 @@ def test_gpu_check_cpu_quick_mode_writes_its_folder(tmp_path, data_cache):
 
 
 def test_load_report_marks_a_loaded_machine():
-    from nvfp4_recipe.benchmarking import LOADED_OTHER_CPUS, LoadReport
+    from benchmarks.machine import LOADED_OTHER_CPUS, LoadReport
 
     idle = LoadReport((0.1, 0.2, 0.3), (0.2, 0.2, 0.3), LOADED_OTHER_CPUS / 2, 10.0)
     busy = LoadReport((0.1, 0.2, 0.3), (1.9, 0.9, 0.4), 1.0, 10.0)
@@ -181,7 +180,7 @@ def test_load_report_marks_a_loaded_machine():
 def test_machine_load_sees_a_background_process():
     # One spinning BF16 matmul process beside an idle wait: the meter attributes its CPU to
     # "other processes" (about one CPU), not to this one.
-    from nvfp4_recipe.benchmarking import MachineLoad, background_load
+    from benchmarks.machine import MachineLoad, background_load
 
     with background_load(1), MachineLoad() as load:
         time.sleep(1.5)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from mamba_fixtures import megatron_single_process  # noqa: F401  (fixture)
-from train_helpers import FAST, read_metrics, run_train
+from train_helpers import FAST, run_train
+from training.metrics import read_metrics
 
 from training.checkpoint import (MANIFEST, NoUsableCheckpoint, _apply_retention,
                                  find_resume_checkpoint, set_aside_for_restart)
@@ -72,7 +72,7 @@ def _save_small_dist_checkpoint(directory: Path) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from model.compat import cpu_dist_checkpoint_save
+    from compat import cpu_dist_checkpoint_save
 
     weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     state = {"w": ShardedTensor.from_rank_offsets("w", weight.clone()),
@@ -92,7 +92,7 @@ def _load_small(directory: Path) -> dict:
     return load_dist_checkpoint(template, directory)  # what training/checkpoint.py calls
 
 
-def test_safe_strategies_load_what_megatron_saved(tmp_path, megatron_single_process):  # noqa: F811
+def test_safe_strategies_load_what_megatron_saved(tmp_path, parallel_context):
     expected = _save_small_dist_checkpoint(tmp_path / "dist")
     loaded = _load_small(tmp_path / "dist")
     assert torch.equal(loaded["w"], expected["w"])
@@ -100,7 +100,7 @@ def test_safe_strategies_load_what_megatron_saved(tmp_path, megatron_single_proc
 
 
 def test_safe_strategies_refuse_code_in_metadata_common_state_and_objects(
-        tmp_path, megatron_single_process):  # noqa: F811
+        tmp_path, parallel_context):
     marker = tmp_path / "pwned"
     good = tmp_path / "good"
     _save_small_dist_checkpoint(good)

@@ -33,16 +33,7 @@ def eager_quantizers():
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from training.distributed import init_distributed, shutdown
-
-    context = init_distributed(1, 1, "gloo")
-    yield context
-    shutdown()
-
-
-@pytest.fixture(scope="module")
-def demo(ctx):
+def demo(parallel_context):
     """The demo model's layers, one of each kind (pattern M*-, BF16 as the study trains), after one
     forward/backward of 2 x 64 tokens, with every linear's x, W and dY captured."""
     from model.build import build_model
@@ -56,20 +47,20 @@ def demo(ctx):
     cfg = ModelConfig(vocab_size=VOCAB, pattern="M*-")
     core = build_model(cfg, PrecisionConfig(), vocab_size=VOCAB, backend="emulated",
                        params_dtype=PARAMS_DTYPE).module
-    model, _ = build_data_parallel_model(core, TrainerConfig(), ctx)
+    model, _ = build_data_parallel_model(core, TrainerConfig(), parallel_context)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
     modules = C.precision_linears(core)
     capture = C.Capture(modules)
     capture.active = True
     model.zero_grad_buffer()
-    run_micro_batches(model, [batch], ctx, (SEQ, BATCH, cfg.hidden_size))
+    run_micro_batches(model, [batch], parallel_context, (SEQ, BATCH, cfg.hidden_size))
     capture.active = False
     tensors = capture.take()
     capture.remove()
     grads = {n: m.weight.main_grad.clone() for n, m in modules.items()}
     model.zero_grad_buffer()
-    return SimpleNamespace(cfg=cfg, model=model, ctx=ctx, modules=modules, batch=batch,
+    return SimpleNamespace(cfg=cfg, model=model, ctx=parallel_context, modules=modules, batch=batch,
                            tensors=tensors, grads=grads,
                            activation_shape=(SEQ, BATCH, cfg.hidden_size))
 

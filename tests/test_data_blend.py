@@ -10,10 +10,7 @@ import torch
 
 from data import build_data
 
-try:
-    from tests.data_fixtures import demo_config, demo_corpus, source_of_tokens, synthetic_config, tiny_tokenizer  # noqa: F401
-except ImportError:
-    from data_fixtures import demo_config, demo_corpus, source_of_tokens, synthetic_config, tiny_tokenizer  # noqa: F401
+from helpers import demo_config, source_of_tokens, synthetic_config
 
 SEQ = 16
 

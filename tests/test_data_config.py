@@ -14,10 +14,7 @@ from data.config import (
     validate_config,
 )
 
-try:
-    from tests.data_fixtures import RECIPES
-except ImportError:  # tests/ not a package
-    from data_fixtures import RECIPES
+from helpers import RECIPES
 
 
 def _cfg(**kw):

@@ -9,11 +9,6 @@ import data.demo as demo
 from data.config import DemoConfig
 from data.indexed import open_indexed
 
-try:
-    from tests.data_fixtures import demo_corpus  # noqa: F401
-except ImportError:
-    from data_fixtures import demo_corpus  # noqa: F401
-
 
 def test_demo_corpus_contents(demo_corpus):
     cache, corpus = demo_corpus

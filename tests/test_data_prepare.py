@@ -9,11 +9,6 @@ import pytest
 import data.prepare as prep
 from data.indexed import dataset_exists, open_indexed
 
-try:
-    from tests.data_fixtures import tiny_tokenizer  # noqa: F401
-except ImportError:
-    from data_fixtures import tiny_tokenizer  # noqa: F401
-
 TEXTS = [
     "Hello world.\nA second line.",
     "Ünïcödé — 中文 — emoji 🙂 and tabs\tand  double  spaces",
@@ -385,10 +380,7 @@ def test_hf_tokenizer_directory_without_eos_is_refused(tmp_path, tiny_tokenizer,
 
 def test_training_data_reads_an_hf_tokenizer_directory(tmp_path):
     """data.tokenizer may be the same directory: the run's end-of-document id is its eos_token."""
-    try:
-        from tests.data_fixtures import synthetic_config
-    except ImportError:
-        from data_fixtures import synthetic_config
+    from helpers import synthetic_config
     from data import build_data
 
     tok = _hf_tokenizer_dir(tmp_path / "tok", {"eos_token": "</s>"})

@@ -22,11 +22,6 @@ import pytest
 import data.prepare as prep
 from data.indexed import open_indexed
 
-try:
-    from tests.data_fixtures import tiny_tokenizer  # noqa: F401
-except ImportError:
-    from data_fixtures import tiny_tokenizer  # noqa: F401
-
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "launch" / "prepare.sbatch"
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "

@@ -16,11 +16,6 @@ import pytest
 import data.prepare as prep
 from data.indexed import dataset_exists, open_indexed
 
-try:
-    from tests.data_fixtures import tiny_tokenizer  # noqa: F401
-except ImportError:
-    from data_fixtures import tiny_tokenizer  # noqa: F401
-
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
@@ -261,6 +256,7 @@ def test_training_on_globbed_shards_trains_and_resumes_bit_for_bit(tmp_path, tin
     """train.py with a schedule whose categories glob data.prepare shards: it trains, and a run
     resumed from its step-3 checkpoint reproduces the uninterrupted losses."""
     from train_helpers import FAST, run_train, step_losses
+    from training.metrics import read_metrics
 
     make_shards(tmp_path / "d", tiny_tokenizer, 3, name="web", sizes=(800, 800, 300))
     make_shards(tmp_path / "d", tiny_tokenizer, 2, name="code", sizes=(500, 100, 100), seed=7)
@@ -286,14 +282,14 @@ phases:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = step_losses(straight)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6] and expected[6] < expected[1]
-    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(straight)
     last = [r for r in records if "loss" in r][-1]
     assert last["data/tokens/web"] > 0 and last["data/tokens/code"] > 0 and "val_loss" in last
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_0000006")
-    kept = [line for line in (resumed / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
+    kept = [json.dumps(r) for r in read_metrics(resumed) if r["step"] <= 3]
     (resumed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
     proc = run_train(resumed, *args, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr

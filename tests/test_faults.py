@@ -7,7 +7,8 @@ import random
 import signal
 
 import pytest
-from train_helpers import FAST, popen_train, read_metrics, run_train, step_losses, wait_for_step
+from train_helpers import FAST, popen_train, run_train, step_losses, wait_for_step
+from training.metrics import read_metrics
 from training.checkpoint import latest_valid_checkpoint, verify_checkpoint
 
 # BF16 keeps these fast; the NVFP4 resume test (test_train_e2e) covers the SR RNG state.

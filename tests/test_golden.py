@@ -48,7 +48,7 @@ def test_golden_losses(precision, golden_runs):
     key, refs, root, results = golden_runs
     ref = refs[precision]
     assert ref["overrides"] == golden.overrides(precision), (
-        "launch/golden.py's config changed: regenerate with `python -m launch.golden --regenerate`")
+        "launch/golden.py's command changed: regenerate with `python -m launch.golden --regenerate`")
     if ref["corpus_key"] != key:
         pytest.skip(f"demo corpus {key} differs from the golden run's {ref['corpus_key']} "
                     "(another Python standard library or tokenizers version): other tokens")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nan_injection import NaNGradient, inject
-from train_helpers import FAST, REPO, read_metrics, run_train
+from train_helpers import FAST, REPO, run_train
 from training.grad_health import group_names, layer_name, param_group
-from training.metrics import MetricsSink, grad_health_line, wandb_key
+from training.metrics import MetricsSink, grad_health_line, read_metrics, wandb_key
 
 KINDS = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp", "mamba", "mlp"]  # M-M*-M-M-
 GROUPS = ["embedding", *(layer_name(i, KINDS) for i in range(9)), "final_norm", "output_layer"]

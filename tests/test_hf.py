@@ -1,4 +1,4 @@
-"""Hugging Face round trips (model/hf.py), on CPU with small random models made here.
+"""Hugging Face round trips (model/hf.py, training/hf_export.py), on CPU with small random models made here.
 
 Fast: the conversions in one process (project -> transformers logits, transformers -> project ->
 transformers weights, config checks, the 12B config.json). Slow: train.py and the export CLI as a
@@ -20,11 +20,12 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
-from mamba_fixtures import megatron_single_process  # noqa: F401,E402  (fixture)
-from plan_fixtures import model_config  # noqa: E402
+from helpers import model_config  # noqa: E402
 from train_helpers import FAST, REPO, run_train  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
 
 from model import hf  # noqa: E402
+from training import hf_export  # noqa: E402
 from model.build import build_model  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
@@ -64,9 +65,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # with dynamo's own context: monkeypatch's undo deletes the key, which hides it from dynamo for the
 # rest of the session ("torch._dynamo.config.disable does not exist" in every later compile).
 @torch._dynamo.config.patch(disable=True)
-def test_project_logits_match_transformers_with_fp32_gemms(megatron_single_process, monkeypatch):
+def test_project_logits_match_transformers_with_fp32_gemms(parallel_context, monkeypatch):
     # The portable linears multiply BF16 operands (as training does); compare FP32 GEMMs.
-    monkeypatch.setattr("nvfp4_recipe.parallel_linear.COMPUTE_DTYPE", torch.float32)
+    monkeypatch.setattr("nvfp4_recipe.megatron.parallel_linear.COMPUTE_DTYPE", torch.float32)
     torch.manual_seed(0)
     ours = _project_model(TINY)
     with torch.no_grad():  # one head per Mamba layer with step sizes far below 0.001
@@ -108,7 +109,7 @@ def _random_hf_dir(tmp_path: Path, cfg: ModelConfig, vocab: int, **save_kwargs) 
     return out, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_transformers_to_project_to_transformers_is_bit_identical(megatron_single_process,
+def test_transformers_to_project_to_transformers_is_bit_identical(parallel_context,
                                                                    tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -132,7 +133,7 @@ def test_transformers_to_project_to_transformers_is_bit_identical(megatron_singl
     assert all(torch.equal(reloaded[k], v) for k, v in original.items())
 
 
-def test_a_mismatched_config_is_refused_naming_each_field(megatron_single_process, tmp_path):
+def test_a_mismatched_config_is_refused_naming_each_field(parallel_context, tmp_path):
     hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
     wrong = dataclasses.replace(TINY, hidden_size=128, pattern="M-*M", init_from=str(hf_dir))
     with pytest.raises(ValueError) as info:
@@ -179,8 +180,8 @@ def test_pickle_weights_are_refused_unopened(tmp_path):
 # 8 Mamba groups, 8 query groups) with the HF names of its NemotronHBridge.CONFIG_MAPPING
 # (nemotron_h_bridge.py: n_groups, ssm_state_size, hybrid_override_pattern, layer_norm_epsilon);
 # a public note quoting the config.json (vocab_size 131072, chunk_size 128, head_dim 128);
-# shared/notes/nemotron-h-12b.md (RMSNorm eps 1e-5, conv kernel 4, expand 2, untied embeddings,
-# no biases). max_position_embeddings (131072 there) is left out: Nemotron-H has no position
+# the NVIDIA-Nemotron-Nano-12B-v2-Base model card and arXiv 2509.25149 appendix A.1 (RMSNorm eps
+# 1e-5, conv kernel 4, expand 2, untied embeddings, no biases). max_position_embeddings (131072 there) is left out: Nemotron-H has no position
 # embeddings, and the field is the context the card's long-context phase reached, where the
 # project's recipe trains at 8192.
 PUBLISHED_12B = {
@@ -195,7 +196,7 @@ PUBLISHED_12B = {
 }
 
 
-def test_12b_config_json_matches_the_published_card(megatron_single_process, tmp_path):
+def test_12b_config_json_matches_the_published_card(parallel_context, tmp_path):
     from transformers import AutoConfig, NemotronHForCausalLM
 
     cfg = dataclasses.replace(model_config("nemotron_h_12b"), spec="portable")
@@ -219,16 +220,16 @@ def test_12b_config_json_matches_the_published_card(megatron_single_process, tmp
 
 def test_export_refuses_bad_input_before_writing(tmp_path, capsys):
     out = tmp_path / "out"
-    assert hf.main(["export", str(tmp_path / "nope"), "--output", str(out)]) == 2
+    assert hf_export.main([str(tmp_path / "nope"), "--output", str(out)]) == 2
     assert "RUN_DIR=" in capsys.readouterr().err and not out.exists()
     (tmp_path / "run").mkdir()
-    assert hf.main(["export", str(tmp_path / "run"), "--output", str(out)]) == 2
+    assert hf_export.main([str(tmp_path / "run"), "--output", str(out)]) == 2
     assert "no config.yaml" in capsys.readouterr().err and not out.exists()
     # What is already there is never overwritten without --overwrite.
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     with pytest.raises(hf.HFError, match="exists and is not empty.*--overwrite"):
-        hf._check_output(out, overwrite=False)
+        hf_export._check_output(out, overwrite=False)
     assert (out / "keep.txt").read_text() == "precious"
 
 
@@ -239,7 +240,7 @@ TRAIN = [*FAST, "precision=bf16", "trainer.max_steps=2", "trainer.save_every=2",
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "model.hf", "export", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "training.hf_export", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -268,8 +269,8 @@ def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, data_cac
         assert (out / name).is_file(), name
 
     # The exported tensors are the checkpoint's, split and stripped as documented.
-    full = hf.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000002")
-    cfg = hf.read_run(run_dir).model
+    full = hf_export.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000002")
+    cfg = hf_export.read_run(run_dir).model
     expected = {k.replace("model.", "backbone.", 1): v
                 for k, v in hf.to_hf(full, cfg, 4096).items()}
     written = _safetensors(out)
@@ -286,15 +287,15 @@ def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, data_cac
     # An existing output is never replaced without --overwrite (the CLI in this process: the
     # same main() as above, without another interpreter start).
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert hf.main(["export", str(run_dir), "--output", str(out)]) == 2
+    assert hf_export.main([str(run_dir), "--output", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert hf.main(["export", str(run_dir), "--output", str(out), "--overwrite",
+    assert hf_export.main([str(run_dir), "--output", str(out), "--overwrite",
                     "--step", "2"]) == 0
     assert not (out / "model.safetensors.index.json").exists()  # one 5GB-limit file now
     assert _safetensors(out).keys() == expected.keys()
     assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
-    assert hf.main(["export", str(run_dir), "--output", str(tmp_path / "other"),
+    assert hf_export.main([str(run_dir), "--output", str(tmp_path / "other"),
                     "--step", "7"]) == 2
     assert "step_0000007" in capsys.readouterr().err and not (tmp_path / "other").exists()
 
@@ -317,7 +318,7 @@ def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_ca
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, log
         assert "model.init_from: loaded" in log, log
-        hf.export(run_dir, tmp_path / f"{name}_hf")
+        hf_export.export(run_dir, tmp_path / f"{name}_hf")
         exported[name] = _safetensors(tmp_path / f"{name}_hf")
     want = {k.replace("model.", "backbone.", 1): v for k, v in original.items()}
     for name, tensors in exported.items():
@@ -330,8 +331,7 @@ def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_ca
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "resharded from tensor 2" in log and "resumed from" in log
-    assert math.isfinite(json.loads((tmp_path / "tp2" / "metrics.jsonl").read_text()
-                                    .splitlines()[-1]).get("loss", 0.0))
+    assert math.isfinite(read_metrics(tmp_path / "tp2")[-1].get("loss", 0.0))
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import FAST, REPO, read_metrics
+from train_helpers import FAST, REPO
+from training.metrics import read_metrics
 
 TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
 SBATCH = REPO / "launch" / "slurm.sbatch"

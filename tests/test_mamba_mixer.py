@@ -16,9 +16,16 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from mamba_fixtures import megatron_single_process  # noqa: E402,F401  (fixture)
+from helpers import free_port  # noqa: E402
 
 from model.ssd import ssd_chunk_scan  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Each test draws its random inputs and initial weights from the same seed, whatever ran
+    before it."""
+    torch.manual_seed(1234)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +168,8 @@ def _mixer(config, **kw):
         submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
         params=kw,
     )
-    # Called the way megatron's MambaLayer builds its mixer.
+    # Called the way megatron's MambaLayer builds its mixer, less pg_collection: the mixer then
+    # takes megatron's global (mpu) process groups.
     return build_module(spec, config, d_model=config.hidden_size, layer_number=1)
 
 
@@ -199,7 +207,7 @@ def naive_mixer_forward(m, h):
     return g @ m.out_proj.weight.t()
 
 
-def test_mixer_shapes_and_layout(megatron_single_process):
+def test_mixer_shapes_and_layout(parallel_context):
     cfg = _config(**TINY)
     m = _mixer(cfg)
     d_in, gn, H = 8 * 16, 2 * 16, 8
@@ -226,7 +234,7 @@ def test_mixer_shapes_and_layout(megatron_single_process):
 
 
 @pytest.mark.parametrize("seqlen", [37, 64])
-def test_mixer_forward_matches_naive_reference(megatron_single_process, seqlen):
+def test_mixer_forward_matches_naive_reference(parallel_context, seqlen):
     """fp64 mixer forward (chunk 16, padded last chunk when s=37) == naive reference, tol 1e-10;
     out_bias is None (bias=False, skip_bias_add=True)."""
     cfg = _config(**TINY)
@@ -248,7 +256,7 @@ def test_mixer_forward_matches_naive_reference(megatron_single_process, seqlen):
     assert (out2[20:] - out[20:]).abs().max() > 1e-3
 
 
-def test_mixer_fp32_and_grads(megatron_single_process):
+def test_mixer_fp32_and_grads(parallel_context):
     """fp32 forward close to the fp64 reference; every parameter gets a finite nonzero grad."""
     cfg = _config(**TINY)
     m = _mixer(cfg, chunk_size=16)
@@ -267,7 +275,7 @@ def test_mixer_fp32_and_grads(megatron_single_process):
         assert p.grad.abs().sum() > 0, n
 
 
-def test_mixer_bf16_autocast(megatron_single_process):
+def test_mixer_bf16_autocast(parallel_context):
     cfg = _config(**TINY)
     m = _mixer(cfg, chunk_size=16)
     h = torch.randn(40, 2, 64)
@@ -278,7 +286,7 @@ def test_mixer_bf16_autocast(megatron_single_process):
     assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-def test_mixer_rejects_inference_and_packing(megatron_single_process):
+def test_mixer_rejects_inference_and_packing(parallel_context):
     m = _mixer(_config(**TINY))
     h = torch.randn(5, 1, 64)
     with pytest.raises(NotImplementedError, match="inference"):
@@ -287,7 +295,7 @@ def test_mixer_rejects_inference_and_packing(megatron_single_process):
         m(h, packed_seq_params=object())
 
 
-def test_mixer_12b_param_count_on_meta(megatron_single_process):
+def test_mixer_12b_param_count_on_meta(parallel_context):
     """Nemotron-H 12B Mamba-2 mixer shape, built on the meta device."""
     cfg = _config(hidden=5120, heads=128, head_dim=80, state=128, groups=8)
     with torch.device("meta"):
@@ -305,7 +313,7 @@ def test_mixer_12b_param_count_on_meta(megatron_single_process):
     assert m.norm.group_size == 1280
 
 
-def test_mixer_sharded_state_dict_tp1(megatron_single_process):
+def test_mixer_sharded_state_dict_tp1(parallel_context):
     """Keys and global shapes as megatron's MambaMixer.sharded_state_dict produces them
     (in_proj.weight split z/x/B/C/dt, conv1d split x/B/C); factories round-trip."""
     from megatron.core.dist_checkpointing.mapping import (
@@ -373,7 +381,7 @@ def test_mixer_sharded_state_dict_tp1(megatron_single_process):
     assert others <= {f"{prefix}in_proj._extra_state", f"{prefix}out_proj._extra_state"}, others
 
 
-def test_mixer_inside_megatron_mamba_layer(megatron_single_process):
+def test_mixer_inside_megatron_mamba_layer(parallel_context):
     """Drop-in: megatron's MambaLayer builds it from a ModuleSpec (with pg_collection) and runs
     forward/backward; sharded_state_dict keys come out under `mixer.`."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -435,15 +443,15 @@ def _full_params(seed=0):
     )
 
 
-def _tp_worker(rank, world, port, result_dir):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+def _tp_worker(rank, world, port):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from types import SimpleNamespace
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world,
-                            rank=rank)
-    parallel_state.initialize_model_parallel(world, 1)
+    from training.distributed import init_distributed, shutdown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    init_distributed(world, 1, "gloo")
     torch.manual_seed(0)
     try:
         cfg = _config(**TINY)
@@ -507,22 +515,19 @@ def _tp_worker(rank, world, port, result_dir):
             idx = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.local_shape))
             torch.testing.assert_close(st.data, g[idx], atol=0, rtol=0, msg=k)
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        shutdown()
 
 
 @pytest.mark.slow
-def test_mixer_tp2_matches_full_reference_and_shards(tmp_path):
+def test_mixer_tp2_matches_full_reference_and_shards():
     """TP=2 (2 gloo processes): forward == the naive full-size forward; the sharded state dict's
     z/x/B/C/dt and x/B/C parts carry the global layout (global shape, offsets, data)."""
     import torch.multiprocessing as mp
 
-    from mamba_fixtures import _free_port
-
-    mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
-def test_kernel_path_plumbing_with_fake_kernels(megatron_single_process, monkeypatch):
+def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
     """The CUDA path's calls (causal_conv1d_fn, mamba_chunk_scan_combined, rmsnorm_fn), run with
     CPU stand-ins that check the kernels' documented argument layouts, == the PyTorch path."""
     import model.mamba_mixer as mm
@@ -617,7 +622,7 @@ def test_kernels_import_per_package(monkeypatch):
     assert mm._load_kernels() == {"causal_conv1d_fn": conv}
 
 
-def test_use_kernels_true_names_the_missing_package(megatron_single_process, monkeypatch):
+def test_use_kernels_true_names_the_missing_package(parallel_context, monkeypatch):
     import types
 
     import model.mamba_mixer as mm
@@ -631,7 +636,7 @@ def test_use_kernels_true_names_the_missing_package(megatron_single_process, mon
     assert _mixer(_config(**TINY))._kernels_for(torch.zeros(1)) == {}  # CPU: PyTorch path
 
 
-def test_gated_norm_eps_is_the_configs_layernorm_epsilon(megatron_single_process):
+def test_gated_norm_eps_is_the_configs_layernorm_epsilon(parallel_context):
     """megatron hard-codes 1e-5 (mc 0.16.1 ssm/mamba_mixer.py:357); ours follows the config."""
     from model.mamba_mixer import gated_rmsnorm
 

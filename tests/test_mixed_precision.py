@@ -15,14 +15,6 @@ from model.config import ModelConfig
 from nvfp4_recipe.policy import PrecisionConfig
 from training import mixed_precision as mp
 from training.config import TrainerConfig
-from training.distributed import init_distributed, shutdown
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    context = init_distributed(1, 1, "gloo")
-    yield context
-    shutdown()
 
 
 def _model(precision: str = "nvfp4"):
@@ -32,12 +24,12 @@ def _model(precision: str = "nvfp4"):
                        backend="emulated", params_dtype=mp.PARAMS_DTYPE).module
 
 
-def test_every_gemm_receives_bf16_and_grads_accumulate_in_fp32(ctx):
+def test_every_gemm_receives_bf16_and_grads_accumulate_in_fp32(parallel_context):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from model.attention import SDPACoreAttention
 
-    model, optimizer = mp.build_data_parallel_model(_model(), TrainerConfig(), ctx)
+    model, optimizer = mp.build_data_parallel_model(_model(), TrainerConfig(), parallel_context)
     seen = {}
 
     def record(name):
@@ -63,7 +55,7 @@ def test_every_gemm_receives_bf16_and_grads_accumulate_in_fp32(ctx):
     assert sum(p.numel() for p in masters) == sum(p.numel() for p in params)
 
 
-def test_twin_step_matches_adamw_on_fp32_master_weights(ctx):
+def test_twin_step_matches_adamw_on_fp32_master_weights(parallel_context):
     """Two micro-batches accumulated in FP32, clipped, AdamW on FP32 masters, BF16 copies back."""
     from training.optim import WSDScheduler
 
@@ -192,7 +184,7 @@ def test_optimizer_layouts_that_cannot_load_each_other_are_refused(tmp_path):
         load_checkpoint(tmp_path, None, None, None, "cpu-twin")
 
 
-def test_a_group_of_one_leaves_the_environment_to_child_processes(ctx):
+def test_a_group_of_one_leaves_the_environment_to_child_processes(parallel_context):
     """A rendezvous port in os.environ would be inherited by every process started later (the
     test suite's trainers all tried to listen on the in-process group's port)."""
     import os

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
-from plan_fixtures import model_config, plan_process_group, train_config  # noqa: F401
+from helpers import model_config, train_config
 
 PATTERN_12B = "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-"
 KINDS_12B = [{"M": "mamba", "*": "attention", "-": "mlp"}[c] for c in PATTERN_12B]
@@ -98,8 +98,8 @@ def test_same_format_from_two_patterns_is_fine():
 # -- the plan --------------------------------------------------------------------------------------
 
 
-def test_overrides_change_the_plan(plan_process_group):
-    from model.plan import build_plan
+def test_overrides_change_the_plan(parallel_context):
+    from training.plan import build_plan
 
     plain = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=4))
     over = build_plan(train_config("nemotron_h_12b", nvfp4(overrides={"*.mixer.in_proj": "bf16"}),
@@ -142,7 +142,7 @@ def _losses(precision: PrecisionConfig, steps: int = 3) -> list[float]:
     return losses
 
 
-def test_overrides_change_the_emulated_losses_as_bf16_layers_would(plan_process_group):
+def test_overrides_change_the_emulated_losses_as_bf16_layers_would(parallel_context):
     """Demo (9 layers, first 1 / last 2 BF16): overriding every linear of layers 1 and 2 to BF16
     trains exactly like bf16_first_layers=3, and differently from the plain recipe."""
     plain = _losses(nvfp4())
@@ -158,7 +158,7 @@ def test_overrides_change_the_emulated_losses_as_bf16_layers_would(plan_process_
 # -- the TE spec: the context each linear runs in --------------------------------------------------
 
 
-def test_te_linears_overridden_run_in_their_own_context(plan_process_group, monkeypatch):
+def test_te_linears_overridden_run_in_their_own_context(parallel_context, monkeypatch):
     """On TE a linear whose format differs from its layer's gets its own context, entered at every
     forward inside the layer's: TE's autocast turned off for a BF16 linear in an NVFP4 layer, the
     FP8 recipe for an FP8 linear in a BF16 layer; after the switch to BF16, none. TE is not
@@ -186,7 +186,7 @@ def test_te_linears_overridden_run_in_their_own_context(plan_process_group, monk
 
     monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
     monkeypatch.setattr(build_module.compat, "te_no_autocast", fake_no_autocast)
-    monkeypatch.setattr("nvfp4_recipe.te_mapping.build_te_recipe", fake_recipe)
+    monkeypatch.setattr("nvfp4_recipe.megatron.te_mapping.build_te_recipe", fake_recipe)
     monkeypatch.setattr(build_module, "te_layer_spec",
                         lambda d, model: build_module.portable_layer_spec(
                             d, PrecisionConfig(), RuntimePrecisionState(), model))
@@ -285,8 +285,8 @@ def test_te_is_asked_for_every_format_an_override_uses():
     """An override to MXFP4 (no TE recipe) or to FP8 where TE cannot run it keeps the run off TE
     (backend=auto: emulated; backend=te: refused with this reason); the dry run then checks the
     emulated backend only."""
-    from model.plan import preflight_backends
-    from nvfp4_recipe.te_mapping import te_formats, te_supports
+    from training.preflight import preflight_backends
+    from nvfp4_recipe.megatron.te_mapping import te_formats, te_supports
 
     mx = nvfp4(overrides={"*.mlp.*": "mxfp4"})
     assert te_formats(mx) == ["nvfp4", "mxfp4"]

@@ -1,5 +1,6 @@
-"""The dry-run planner (model/plan.py): layer precisions, parameter counts, the memory and FLOPs
-formulas, and plan.json. Everything builds on the meta device: seconds even at 12B."""
+"""The dry-run planner (training/plan.py, with model/memory.py and model/flops.py): layer
+precisions, parameter counts, the memory and FLOPs formulas, and plan.json; and the helpers of
+its CPU measurement (benchmarks/memory.py). Everything builds on the meta device: seconds even at 12B."""
 
 from __future__ import annotations
 
@@ -16,18 +17,13 @@ for _p in (_ROOT, _TESTS):
     if _p not in sys.path:  # the repo is not installed into the venv
         sys.path.insert(0, _p)
 
-from plan_fixtures import REPO, model_config, plan_process_group, train_config  # noqa: E402,F401
+from helpers import REPO, model_config, train_config  # noqa: E402
 
-from model.plan import (  # noqa: E402
-    PlanConfig,
-    build_plan,
-    dry_run,
-    pipeline_stages,
-    plan_world_size,
-)
+from model.memory import pipeline_stages  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
+from training.plan import PlanConfig, build_plan, dry_run, plan_world_size  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("plan_process_group")
+pytestmark = pytest.mark.usefixtures("parallel_context")
 
 P_12B = 12_310_001_152
 H_12B = 5120
@@ -44,7 +40,7 @@ def bf16_layers(plan) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def plan_12b_nvfp4(plan_process_group):
+def plan_12b_nvfp4(parallel_context):
     cfg = train_config("nemotron_h_12b", nvfp4(), tensor=4, seq_length=8192, micro_batch_size=1,
                        global_batch_size=736)
     return build_plan(cfg, PlanConfig(gpus=736, total_tokens=10**13))
@@ -74,7 +70,7 @@ def test_12b_nvfp4_layers(plan_12b_nvfp4):
     assert plan["backend"] in ("te", "emulated")
 
 
-def test_12b_bf16_last_4_moves_layers_54_to_57(plan_process_group, plan_12b_nvfp4):
+def test_12b_bf16_last_4_moves_layers_54_to_57(parallel_context, plan_12b_nvfp4):
     cfg = train_config("nemotron_h_12b", nvfp4(bf16_last_layers=4), tensor=4)
     plan = build_plan(cfg)
     assert bf16_layers(plan) == [0, 1, 58, 59, 60, 61]
@@ -85,7 +81,7 @@ def test_12b_bf16_last_4_moves_layers_54_to_57(plan_process_group, plan_12b_nvfp
     assert moved == [54, 55, 56, 57]
 
 
-def test_bf16_and_fp8_plans(plan_process_group):
+def test_bf16_and_fp8_plans(parallel_context):
     plan = build_plan(train_config("nemotron_h_12b", PrecisionConfig()))
     assert plan["linear_counts"] == {"bf16": 124}
     fp8 = PrecisionConfig(format="fp8", name="fp8", bf16_first_layers=1, bf16_last_layers=2)
@@ -98,7 +94,7 @@ def test_bf16_and_fp8_plans(plan_process_group):
 
 
 def elements_12b(kind: str, t: int, sp: bool) -> float:
-    """Hand count of the BF16 activation elements per token one 12B layer keeps (model/plan.py):
+    """Hand count of the BF16 activation elements per token one 12B layer keeps (model/memory.py):
     the h-wide norm input and first-linear input are / t only with sequence parallelism."""
     h = 2 * H_12B / (t if sp else 1)
     inner = {"mamba": (2 * 10240 + 2 * 8 * 128 + 128) + (10240 + 2 * 8 * 128) + 10240 + 10240,
@@ -107,7 +103,7 @@ def elements_12b(kind: str, t: int, sp: bool) -> float:
     return h + inner / t
 
 
-def test_memory_scales_with_tensor_parallel(plan_process_group):
+def test_memory_scales_with_tensor_parallel(parallel_context):
     kw = dict(seq_length=8192, micro_batch_size=1, global_batch_size=8)
     t1 = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=1, **kw),
                     PlanConfig(backend="te"))
@@ -136,7 +132,7 @@ def test_memory_scales_with_tensor_parallel(plan_process_group):
     assert t4["memory_per_rank_gib"] < t1["memory_per_rank_gib"] / 3
 
 
-def test_sequence_parallel_divides_every_activation(plan_process_group):
+def test_sequence_parallel_divides_every_activation(parallel_context):
     """Korthikanti et al. 2022: with sequence parallelism the norm inputs and the first linear's
     input are sharded over the TP ranks too, so every activation term is / t."""
     kw = dict(tensor=4, seq_length=8192, micro_batch_size=1, global_batch_size=8)
@@ -161,7 +157,7 @@ def test_sequence_parallel_divides_every_activation(plan_process_group):
     assert not build_plan(one)["memory"]["sequence_parallel"]
 
 
-def test_12b_paper_layout_every_term(plan_process_group):
+def test_12b_paper_layout_every_term(parallel_context):
     """The experiment recipe as Hydra composes it (tensor 4 + sequence parallel + distributed
     optimizer over 184 data-parallel ranks, TE GEMMs): each term of the per-rank plan by hand."""
     from hydra import compose, initialize_config_dir
@@ -204,7 +200,7 @@ def test_12b_paper_layout_every_term(plan_process_group):
 
 def test_recompute_accounting_by_hand():
     """Five layers of 10..50 bytes, an input of 1 byte: what each split keeps and its peak."""
-    from model.plan import stage_activation_bytes
+    from model.memory import stage_activation_bytes
     from model.recompute import RecomputeConfig
 
     layers = [10, 20, 30, 40, 50]
@@ -223,7 +219,7 @@ def test_recompute_accounting_by_hand():
         "kept": 122, "recompute_peak": 21}
 
 
-def test_recompute_pipeline_and_data_parallel(plan_process_group):
+def test_recompute_pipeline_and_data_parallel(parallel_context):
     kw = dict(seq_length=8192, micro_batch_size=1, global_batch_size=16)
     cfg = train_config("nemotron_h_12b", nvfp4(), tensor=4, **kw)
     plain = build_plan(cfg, PlanConfig(backend="te"))
@@ -321,7 +317,7 @@ def test_12b_flops_and_time(plan_12b_nvfp4):
     # 6 attention layers x 6 x 40 heads x 128 x 8192.
     assert plan["flops"]["attention_per_token"] == 6 * 6 * 40 * 128 * 8192
     # The bench's MFU counts the same FLOPs (one function, model/flops.py).
-    from launch.bench import flops_per_token as bench_flops_per_token
+    from benchmarks.hardware import flops_per_token as bench_flops_per_token
 
     assert bench_flops_per_token(model_config("nemotron_h_12b"), 8192, 131072) == \
         plan["flops_per_token"]
@@ -335,7 +331,7 @@ def test_12b_flops_and_time(plan_12b_nvfp4):
 # -- plan.json and dry_run ----------------------------------------------------------------------
 
 
-def test_dry_run_writes_plan_json_and_nothing_else(plan_process_group, tmp_path, capsys):
+def test_dry_run_writes_plan_json_and_nothing_else(parallel_context, tmp_path, capsys):
     from training.distributed import ParallelContext
 
     run_dir = tmp_path / "run"
@@ -391,7 +387,7 @@ def test_experiment_recipe_matches_the_schemas():
     from omegaconf import OmegaConf
 
     from training.config import ParallelConfig, RunConfig, TrainerConfig
-    from model.plan import PlanConfig as Plan
+    from training.plan import PlanConfig as Plan
 
     path = REPO / "recipes" / "experiment" / "nemotron_h_12b_nvfp4_10t.yaml"
     assert path.read_text().startswith("# @package _global_")
@@ -413,7 +409,7 @@ def test_experiment_recipe_matches_the_schemas():
     assert merged["precision"].switch_to_bf16.at_fraction == 0.82
 
 
-# -- the CPU measurement's helpers (python -m model.plan --measure) -------------------------------
+# -- the CPU measurement's helpers (python -m benchmarks.memory --measure) -------------------------
 
 
 def test_saved_activation_bytes_counts_each_storage_once():
@@ -422,7 +418,7 @@ def test_saved_activation_bytes_counts_each_storage_once():
     weight (a parameter, not counted); the loss's square saves the 3 x 2 output, 24 B."""
     import torch
 
-    from model.plan import saved_activation_bytes
+    from benchmarks.memory import saved_activation_bytes
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -444,7 +440,7 @@ def test_saved_activation_bytes_counts_each_storage_once():
 def test_calibrated_activations_apply_the_plan_formulas():
     """Pattern M- saving 2 and 1 MiB, head 0.5 MiB, 1 x 4 tokens of h 8 (a layer input 64 B),
     vocabulary 16 (BF16 logits 128 B)."""
-    from model.plan import calibrated_activations_gib
+    from benchmarks.memory import calibrated_activations_gib
 
     mib, gib = 2**20, 2**30
     none = {"saved_per_layer_mib": {"mamba": 2.0, "mlp": 1.0}, "saved_head_mib": 0.5}
@@ -461,3 +457,14 @@ def test_calibrated_activations_apply_the_plan_formulas():
     # than the 2 MiB the Mamba layer holds again while its backward runs.
     sel = {"saved_per_layer_mib": {"mamba": 0.25, "mlp": 1.0}}
     assert calibrated_activations_gib(result("selective"), none, sel) * gib == 2 * mib
+
+
+def test_memory_benchmark_refuses_a_bad_setting_before_it_starts_a_run(capsys):
+    """`python -m benchmarks.memory`: without --measure it prints its help (exit 2); a bad
+    --recompute in a list fails at once, before any setting's subprocess runs."""
+    from benchmarks.memory import main
+
+    assert main([]) == 2
+    assert "--measure" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--recompute='sometimes'"):
+        main(["--measure", "--recompute", "none,sometimes"])

@@ -3,7 +3,7 @@
 import pytest
 
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, SwitchToBF16Config
-from nvfp4_recipe.te_mapping import probe_te_support, te_recipe_rule, te_recipe_spec, te_supports
+from nvfp4_recipe.megatron.te_mapping import probe_te_support, te_recipe_rule, te_recipe_spec, te_supports
 
 PATTERN_12B = "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-"
 KINDS_12B = [{"M": "mamba", "*": "attention", "-": "mlp"}[c] for c in PATTERN_12B]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from nvfp4_recipe import NVFP4Config, quantize_nvfp4
-from nvfp4_recipe.parallel_linear import PrecisionColumnParallelLinear, PrecisionRowParallelLinear
+from nvfp4_recipe.megatron.parallel_linear import PrecisionColumnParallelLinear, PrecisionRowParallelLinear
 from nvfp4_recipe.policy import PrecisionConfig
-from plan_fixtures import model_config, plan_process_group  # noqa: F401  (fixture)
+from helpers import model_config
 
 VOCAB = 512
 
@@ -25,7 +25,7 @@ def precision_linears(module):
             if isinstance(m, (PrecisionColumnParallelLinear, PrecisionRowParallelLinear))}
 
 
-def test_policy_decides_every_linear_of_the_demo(plan_process_group):
+def test_policy_decides_every_linear_of_the_demo(parallel_context):
     built = build(PrecisionConfig(name="nvfp4", format="nvfp4"))
     linears = precision_linears(built.module)
     assert len(linears) == 18  # 9 pattern layers x 2
@@ -39,7 +39,7 @@ def test_policy_decides_every_linear_of_the_demo(plan_process_group):
 
 
 @pytest.mark.parametrize("key", ["rht", "stochastic_rounding", "weight_2d"])
-def test_each_ablation_key_reaches_exactly_its_field(plan_process_group, key):
+def test_each_ablation_key_reaches_exactly_its_field(parallel_context, key):
     built = build(PrecisionConfig(name="x", format="nvfp4", **{key: False}))
     configs = {m.gemm_config for m in precision_linears(built.module).values() if m.gemm_config}
     expected = NVFP4Config(**{key: False})
@@ -58,7 +58,7 @@ def _capture_linear_io(module):
     return records, handles
 
 
-def test_forward_equals_reference_composition_layer_by_layer(plan_process_group):
+def test_forward_equals_reference_composition_layer_by_layer(parallel_context):
     """Each NVFP4 linear's output == dequant(Q(x, 1x16)) @ dequant(Q(W, 16x16))^T, computed here
     from the public quantizers (exact GEMM mode: FP32 products and sums of the q*s values)."""
     built = build(PrecisionConfig(name="nvfp4", format="nvfp4", gemm="exact"))
@@ -87,7 +87,7 @@ def test_forward_equals_reference_composition_layer_by_layer(plan_process_group)
     assert checked == 12
 
 
-def test_switch_to_bf16_makes_every_gemm_plain_bf16(plan_process_group):
+def test_switch_to_bf16_makes_every_gemm_plain_bf16(parallel_context):
     nvfp4 = build(PrecisionConfig(name="nvfp4", format="nvfp4"))
     bf16 = build(PrecisionConfig())
     tokens = torch.randint(0, VOCAB, (2, 64))
@@ -102,7 +102,7 @@ def test_switch_to_bf16_makes_every_gemm_plain_bf16(plan_process_group):
     assert not torch.equal(a, c)  # back on: the quantized forward differs
 
 
-def test_forward_only_switch_keeps_backward_quantized(plan_process_group):
+def test_forward_only_switch_keeps_backward_quantized(parallel_context):
     built = build(PrecisionConfig(name="nvfp4", format="nvfp4"))
     built.runtime_state.switched_passes = "forward"
     layer = precision_linears(built.module)["layers.1.mlp.linear_fc1"]

@@ -1,4 +1,4 @@
-"""The preflight (nvfp4_recipe/preflight.py, model/plan.py): one test per shape rule and per
+"""The preflight (nvfp4_recipe/preflight.py, training/preflight.py): one test per shape rule and per
 known-bad entry, each against the source the rule cites; the 12B at tensor 1/2/4/8; the dry run's
 report and exit code; a run that would fail refuses to start before anything is written."""
 
@@ -11,7 +11,7 @@ import pytest
 from nvfp4_recipe.preflight import (KNOWN_BAD, RULES, DeviceSetting, Linear, Setting,
                                     check_linear, known_bad_hits)
 from nvfp4_recipe.policy import PrecisionConfig
-from plan_fixtures import plan_process_group, train_config  # noqa: F401  (fixture)
+from helpers import train_config
 
 T_12B = 8192  # micro-batch 1 x sequence 8192
 
@@ -199,7 +199,7 @@ def test_12b_layouts_at_tensor_1_2_4_8():
     """22,656 in_proj outputs per rank: 22,656 (TP 1, = 177 x 128), 11,328 (TP 2, not % 128),
     5,664 (TP 4, not % 64), 2,832 (TP 8, not % 32): only TP 1 runs every GEMM on TE's fast
     paths; the emulation runs all four; every other linear is clean at all four."""
-    from model.plan import preflight
+    from training.preflight import preflight
 
     report = preflight(cfg_12b(8), ("te", "emulated"))
     layouts = report.layouts
@@ -217,9 +217,9 @@ def test_12b_layouts_at_tensor_1_2_4_8():
     assert report.refusal() is None
 
 
-def test_12b_dry_run_at_tensor_8_names_in_proj_and_a_clean_layout(plan_process_group, tmp_path,
+def test_12b_dry_run_at_tensor_8_names_in_proj_and_a_clean_layout(parallel_context, tmp_path,
                                                                    capsys):
-    from model.plan import dry_run
+    from training.plan import dry_run
 
     cfg = cfg_12b(8)
     cfg.run.dir = str(tmp_path)
@@ -240,11 +240,11 @@ def test_12b_dry_run_at_tensor_8_names_in_proj_and_a_clean_layout(plan_process_g
     assert {e["id"] for e in pre["known_bad"]} == {e.id for e in KNOWN_BAD}
 
 
-def test_12b_mxfp4_at_tensor_8_would_fail_and_names_layouts_that_work(plan_process_group,
+def test_12b_mxfp4_at_tensor_8_would_fail_and_names_layouts_that_work(parallel_context,
                                                                       tmp_path, capsys):
     """MXFP4 runs emulated only (32-element blocks): 2,832 = 88.5 x 32 cannot be split into
     blocks at TP 8; TP 1, 2 and 4 work. The dry run writes the plan, then exits 2."""
-    from model.plan import dry_run
+    from training.plan import dry_run
 
     cfg = cfg_12b(8, PrecisionConfig(name="mxfp4", format="mxfp4"))
     cfg.run.dir = str(tmp_path)
@@ -261,7 +261,7 @@ def test_12b_mxfp4_at_tensor_8_would_fail_and_names_layouts_that_work(plan_proce
 
 def test_override_to_bf16_makes_the_12b_clean_at_tensor_8():
     """The layout the TP-8 message points at, the other way round: keep in_proj in BF16."""
-    from model.plan import preflight
+    from training.preflight import preflight
 
     report = preflight(cfg_12b(8, nvfp4(overrides={"*.mixer.in_proj": "bf16"})), ("te",))
     assert report.verdict == "ok" and report.problems() == []
@@ -286,7 +286,7 @@ def test_start_up_refuses_a_failing_layout_before_writing(tmp_path, data_cache):
 def test_a_layout_megatron_cannot_split_would_fail():
     """megatron asserts mamba heads/groups % tensor (mc 0.16.1 ssm/mamba_mixer.py:249-258): the
     preflight says so first, and lists the layouts per tensor size."""
-    from model.plan import preflight
+    from training.preflight import preflight
 
     report = preflight(train_config("demo", nvfp4(), tensor=4), ("emulated",))
     assert report.verdict == "fail" and report.checks == []

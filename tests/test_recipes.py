@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
+from train_helpers import RECIPES, compose_train
 
-from nvfp4_recipe.te_mapping import te_recipe_spec
-from training.config import TrainConfig, register_configs
-
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-register_configs()
-
-
-def compose_train(*overrides: str) -> TrainConfig:
-    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
-    return OmegaConf.to_object(cfg)
+from nvfp4_recipe.megatron.te_mapping import te_recipe_spec
+from training.config import TrainConfig
 
 
 def group_options(group: str) -> list[str]:
@@ -102,3 +91,36 @@ def test_a_group_file_cannot_add_unknown_keys(tmp_path):
     schema = OmegaConf.structured(TrainConfig)
     with pytest.raises((ConfigKeyError, ValidationError)):
         OmegaConf.merge(schema, {"trainer": {"max_stepz": 3}})
+
+
+# Every closed choice of the schemas, with its values as YAML and the command line spell them.
+CHOICES = {
+    "run.resume": ["auto", "never", "restart"],
+    "parallel.backend": ["auto", "gloo", "nccl"],
+    "trainer.on_nan": ["stop", "skip"],
+    "trainer.recompute": ["none", "selective", "full"],
+    "trainer.recompute_method": ["uniform", "block"],
+    "logger.mode": ["online", "offline", "disabled"],
+    "model.spec": ["auto", "portable", "te"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_choice_outside_its_values_is_refused_naming_them(key):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_train(f"{key}=sometimes")
+    text = str(err.value.__cause__)
+    assert f"Invalid value 'sometimes', expected one of [{', '.join(CHOICES[key])}]" in text, text
+    assert f"full_key: {key}" in text, text
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_value_of_a_choice_composes_and_keeps_its_spelling(key):
+    """Code compares the values with plain strings, and config.yaml (which a resume compares with
+    the run's) spells them as before."""
+    group, field = key.split(".")
+    for value in CHOICES[key]:
+        cfg = compose_train(f"{key}={value}")
+        assert getattr(getattr(cfg, group), field) == value
+        assert f"{field}: {value}\n" in OmegaConf.to_yaml(OmegaConf.structured(cfg))
+

@@ -82,15 +82,6 @@ def test_torch_twin_restores_the_forward_rng_for_the_recompute():
     assert torch.equal(after_forward, torch.rand(1))
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    from training.distributed import init_distributed, shutdown
-
-    context = init_distributed(1, 1, "gloo")
-    yield context
-    shutdown()
-
-
 def _step(setting: RecomputeConfig, sr_seed: int = 5):
     """One forward + backward of the demo-shaped model in NVFP4 (SR on gradients); returns
     (loss, flat gradients, forward calls per module kind, bytes saved for backward)."""
@@ -142,7 +133,7 @@ def _step(setting: RecomputeConfig, sr_seed: int = 5):
 
 
 @pytest.mark.slow  # six model builds and steps: ~40 s on 2 cores
-def test_recompute_gives_bit_identical_losses_and_gradients_with_stochastic_rounding(ctx):
+def test_recompute_gives_bit_identical_losses_and_gradients_with_stochastic_rounding(parallel_context):
     loss0, grads0, calls0, bytes0 = _step(RecomputeConfig())
     layers = calls0["layer"]
     assert calls0 == {"layer": 9, "core_attention": 1, "ssm": 4}  # M-M*-M-M-: one forward each

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from train_helpers import FAST, run_train, step_losses
+from training.metrics import read_metrics
 
 ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
 
@@ -17,8 +18,7 @@ ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_ever
 def _rewind_to_step_2(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoints" / "step_0000004")
-    kept = [line for line in (dst / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["step"] <= 2]
+    kept = [json.dumps(r) for r in read_metrics(dst) if r["step"] <= 2]
     (dst / "metrics.jsonl").write_text("\n".join(kept) + "\n")
 
 

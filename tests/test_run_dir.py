@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import FAST, REPO, popen_train, read_metrics, run_train, wait_for_step
+from train_helpers import FAST, REPO, popen_train, run_train, wait_for_step
+from training.metrics import read_metrics
 
 LOCK_NAME = ".lock"  # training/run_dir.py (imported in the tests that use it)
 

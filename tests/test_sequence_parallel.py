@@ -22,7 +22,7 @@ def _step(sequence_parallel: bool, finalize: bool):
     from megatron.core.utils import get_model_config
 
     from model.build import build_model
-    from model.compat import seed_model_parallel_rng
+    from compat import seed_model_parallel_rng
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training import pipeline
@@ -45,7 +45,7 @@ def _step(sequence_parallel: bool, finalize: bool):
         loss = pipeline.run_micro_batches(model, [batch], ctx, (TOKENS, 2, cfg.hidden_size))
     else:  # the schedule without megatron's finalize_model_grads: per-rank partial sums
         config = get_model_config(model)
-        from model.compat import cpu_sequence_parallel_buffers
+        from compat import cpu_sequence_parallel_buffers
 
         with cpu_sequence_parallel_buffers(sequence_parallel):
             pipeline._accumulate(model, [batch], pipeline.make_forward_step(ctx), config, False)
@@ -77,9 +77,9 @@ def _worker(rank: int, port: int, result_dir: str):
 def test_tp2_with_sequence_parallel_matches_tp2(tmp_path):
     import torch.multiprocessing as mp
 
-    from mamba_fixtures import _free_port
+    from helpers import free_port
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         # The same BF16 GEMMs on the same rows: the gathered activations are the full sequence.

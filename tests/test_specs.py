@@ -9,7 +9,6 @@ import types
 import pytest
 import torch
 
-from mamba_fixtures import megatron_single_process  # noqa: F401  (fixture)
 from model.config import ModelConfig
 from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisionState
 
@@ -30,7 +29,7 @@ def _build(spec, model: ModelConfig):
     return build_module(spec, config=config, layer_number=1, pg_collection=pgs)
 
 
-def test_portable_mamba_layer_takes_chunk_size_and_eps(megatron_single_process):
+def test_portable_mamba_layer_takes_chunk_size_and_eps(parallel_context):
     from model.specs import portable_layer_spec
 
     spec = portable_layer_spec(MAMBA, PrecisionConfig(), RuntimePrecisionState(), MODEL)

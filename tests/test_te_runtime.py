@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nvfp4_recipe.megatron.te_runtime import (check_te_switch, modules_with_weight_cache,
+                                              refresh_quantized_weights, te_layer_recipe)
 from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
-from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
-                                     refresh_quantized_weights, te_layer_context,
-                                     te_layer_recipe)
 
 RECIPE = object()  # stands for NVFP4BlockScaling(...)
 LOW = LayerPrecision(index=3, kind="mamba", format="nvfp4")
@@ -38,16 +37,7 @@ def test_forward_only_switch_is_refused_for_te_before_the_run():
         te_layer_recipe(LOW, RuntimePrecisionState(switched_passes="forward"), RECIPE)
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    from training.distributed import init_distributed, shutdown
-
-    context = init_distributed(1, 1, "gloo")
-    yield context
-    shutdown()
-
-
-def test_switch_reaches_layers_built_before_it(ctx, monkeypatch):
+def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
     """G: the stack enters each layer's context at every forward, so flipping the runtime state
     after the model was built changes what the next forward runs under."""
     from contextlib import contextmanager
@@ -64,7 +54,7 @@ def test_switch_reaches_layers_built_before_it(ctx, monkeypatch):
         yield
 
     monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
-    monkeypatch.setattr("nvfp4_recipe.te_mapping.build_te_recipe", lambda cfg: RECIPE)
+    monkeypatch.setattr("nvfp4_recipe.megatron.te_mapping.build_te_recipe", lambda cfg: RECIPE)
     # The TE layer specs need TE: build the portable layers under the TE contexts instead.
     monkeypatch.setattr(build_module, "te_layer_spec",
                         lambda d, model: build_module.portable_layer_spec(
@@ -135,7 +125,7 @@ def test_trainer_refreshes_before_every_step_and_evaluation(tmp_path, data_cache
         trainer = Trainer(cfg, ctx)
         fake = FakeTEWrapper()
         trainer.core.add_module("fake_te_linear", fake)
-        trainer.weight_caches = modules_with_weight_cache(trainer.core)
+        trainer.precision.weight_caches = modules_with_weight_cache(trainer.core)
         fake.is_first_microbatch = False
         trainer.train_step(trainer.data.train.next_global_batch())
         assert fake.is_first_microbatch is True

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from train_helpers import FAST, read_metrics, run_train, step_losses
+from train_helpers import FAST, run_train, step_losses
+from training.metrics import read_metrics
 
 
 @pytest.mark.slow
@@ -69,8 +70,7 @@ def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache
     shutil.copytree(straight, resumed)
     # Pretend the run stopped after step 4: drop the later checkpoint and log lines.
     shutil.rmtree(resumed / "checkpoints" / "step_0000008")
-    kept = [line for line in (resumed / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["step"] <= 4]
+    kept = [json.dumps(r) for r in read_metrics(resumed) if r["step"] <= 4]
     (resumed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
     proc = run_train(resumed, *args, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr

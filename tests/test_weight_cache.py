@@ -13,7 +13,7 @@ import torch
 
 from nvfp4_recipe import NVFP4Config, quantized_linear
 from nvfp4_recipe.linear import WeightOperandCache, _NVFP4Ops
-from nvfp4_recipe.te_runtime import modules_with_weight_cache, refresh_quantized_weights
+from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
 
 
 def _count_weight_quantizations(monkeypatch):
@@ -76,17 +76,8 @@ def test_cache_is_per_config():
     assert cache.config is other and cache.fprop is not first  # never another format's copy
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    from training.distributed import init_distributed, shutdown
-
-    context = init_distributed(1, 1, "gloo")
-    yield context
-    shutdown()
-
-
 @pytest.mark.slow  # two models, four steps: ~30 s on 2 idle cores
-def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(ctx, monkeypatch):
+def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(parallel_context, monkeypatch):
     """Two steps of two micro-batches through the trainer's pieces: one quantization per weight
     per step, the same losses and gradients as quantizing at every call."""
     from model.build import build_model
@@ -106,18 +97,18 @@ def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(
         core = build_model(ModelConfig(vocab_size=256), PrecisionConfig(name="nvfp4",
                            format="nvfp4"), vocab_size=256, backend="emulated",
                            params_dtype=PARAMS_DTYPE).module
-        model, optimizer = build_data_parallel_model(core, TrainerConfig(lr=1e-2), ctx)
+        model, optimizer = build_data_parallel_model(core, TrainerConfig(lr=1e-2), parallel_context)
         modules = modules_with_weight_cache(core)
         assert len(modules) == 18  # every layer's two linears (BF16 ones quantize nothing)
         losses, counts = [], []
         torch.manual_seed(5)
         for _ in range(2):
             if cached:
-                refresh_quantized_weights(modules)  # what Trainer.train_step does first
+                refresh_quantized_weights(modules)  # what PrecisionController.before_step does
             model.zero_grad_buffer()
             optimizer.zero_grad()
             calls.update(fprop=0, dgrad=0)
-            losses.append(run_micro_batches(model, batches, ctx, (64, 2, 256)).item())
+            losses.append(run_micro_batches(model, batches, parallel_context, (64, 2, 256)).item())
             counts.append(dict(calls))
             optimizer.step()
         params = torch.cat([p.detach().float().flatten() for p in core.parameters()])

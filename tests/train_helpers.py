@@ -1,21 +1,33 @@
-"""Run train.py in a subprocess (as a user would) and read what it wrote."""
+"""Compose the config as train.py does; run train.py in a subprocess (as a user would) and read what
+it wrote."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from training.metrics import read_metrics
 
-# A small, fast configuration of the demo (seconds per step on 2 cores).
-FAST = [
-    "trainer.seq_length=128", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
-    "trainer.warmup_steps=2", "trainer.eval_batches=2", "logger.mode=disabled",
-]
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+# The demo at test size (seconds per step on 2 cores: recipes/trainer/fast.yaml), without W&B.
+FAST = ["trainer=fast", "logger=disabled"]
+
+
+def compose_train(*overrides: str):
+    """The TrainConfig train.py would run with these overrides."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from training.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="train", overrides=list(overrides)))
 
 
 def run_train(run_dir: Path, *overrides: str, nproc: int = 1, cache_dir: Path | None = None,
@@ -33,11 +45,6 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, cache_dir: Path | 
                "--local-ranks-filter=0", str(script or REPO / "train.py"), *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:

@@ -7,8 +7,12 @@ Layout of one checkpoint:
                          'fully_reshardable' layout), so it loads into any tensor/pipeline/data
                          layout written by the same kind of optimizer (manifest: optimizer_format)
   rng_rank{r}.pt         each rank's RNG state (stochastic rounding draws from it)
-  trainer.pt             step, scheduler, data-loader state, W&B id, counters (rank 0)
+  trainer.pt             the trainer's state_dict() (rank 0): its step, counters and W&B id, and
+                         the state_dict() of its scheduler and data stream
   manifest.json          every file's size and SHA-256 and the layout; written last
+Model, optimizer and RNG are read from their objects and restored into them in place (the
+optimizer through megatron's sharded_state_dict protocol, which knows its own state's layout);
+the trainer's state goes in and comes back as its state_dict, for its load_state_dict.
 Each checkpoint is written into a hidden temporary directory and renamed into place only
 after every rank finished, so a crash leaves either a complete checkpoint or none. Loading
 verifies the manifest and falls back to the previous checkpoint if the latest is torn; when
@@ -91,14 +95,27 @@ def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
     return {"model": model_state, "optimizer": optim_state}
 
 
+def _rng_state() -> dict[str, Optional[torch.Tensor]]:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _restore_rng(state: dict[str, Optional[torch.Tensor]]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
                     optimizer, optimizer_format: str, trainer_state: dict,
                     keep_last: int, skipped_since_previous: int = 0) -> Path:
-    """Write step_N atomically; `skipped_since_previous` (steps skipped for a non-finite loss
-    since the previous checkpoint) goes into the manifest: 0 marks a clean checkpoint."""
+    """Write step_N atomically: model, optimizer and this rank's RNG from their objects, and
+    `trainer_state` (the trainer's state_dict) as trainer.pt. `skipped_since_previous` (steps
+    skipped for a non-finite loss since the previous checkpoint) goes into the manifest: 0 marks
+    a clean checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from model.compat import cpu_dist_checkpoint_save
+    from compat import cpu_dist_checkpoint_save
 
     final = root / step_dir_name(step)
     tmp = root / _broadcast_str(f".tmp-{step_dir_name(step)}-{os.uname().nodename}-{os.getpid()}", ctx)
@@ -110,9 +127,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     with cpu_dist_checkpoint_save():
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
                                 str(tmp / "dist"))
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-               tmp / f"rng_rank{ctx.rank}.pt")
+    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     if ctx.is_main:
         torch.save(trainer_state, tmp / "trainer.pt")
     barrier()
@@ -263,7 +278,8 @@ def _mismatch_message(exc: BaseException) -> str:
 
 def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
                     optimizer, optimizer_format: str) -> dict[str, Any]:
-    """Load model and optimizer in place (any TP/PP/DP layout); return trainer state and RNG.
+    """Restore model, optimizer and RNG in place (any TP/PP/DP layout); return the trainer's
+    state_dict ("trainer") and the layout the checkpoint was written at ("resharded", "layout").
 
     `model` is the unwrapped megatron model whose parameters the optimizer was built on.
     """
@@ -301,6 +317,7 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
         manifest["tensor"], manifest["pipeline"]) == (ctx.tensor, ctx.pipeline)
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     # Another layout draws other stochastic-rounding streams anyway: keep the fresh RNG then.
-    rng = _load_pt(rng_file) if same_layout and rng_file.exists() else None
-    return {"trainer": trainer, "rng": rng, "resharded": not same_layout,
+    if same_layout and rng_file.exists():
+        _restore_rng(_load_pt(rng_file))
+    return {"trainer": trainer, "resharded": not same_layout,
             "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"])}

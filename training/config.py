@@ -1,23 +1,59 @@
 """The run's typed configuration: one dataclass per Hydra group, composed into `TrainConfig`.
 
 Registered with Hydra's ConfigStore as the schema of `recipes/train.yaml`, so every YAML
-file and command-line override is checked in struct mode: an unknown key or a wrong type
-fails at start-up with the key's full name.
+file and command-line override is checked in struct mode: an unknown key, a wrong type or a
+value outside a choice's fails at start-up with the key's full name (exit 1). `validate` then runs
+every group's own checks before anything is written (exit 2).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from data.config import DataConfig
+from data.config import DataConfig, validate_config
 from model.config import ModelConfig
-from model.plan import PlanConfig, pipeline_stages
-from model.recompute import RecomputeConfig
+from model.memory import pipeline_stages
+from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers, validate_precision
+
+from .plan import PlanConfig
+
+
+# Choice fields are StrEnums: OmegaConf refuses any other value at composition, naming the key and
+# the allowed values. Members are named by their YAML spelling (OmegaConf matches a string to a
+# member's name), and a member equals its string, so code compares with plain strings.
+
+
+class Resume(StrEnum):
+    auto = "auto"
+    never = "never"
+    restart = "restart"
+
+
+class ProcessGroupBackend(StrEnum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class OnNan(StrEnum):
+    stop = "stop"
+    skip = "skip"
+
+
+Recompute = StrEnum("Recompute", [(name, name) for name in GRANULARITIES])
+RecomputeMethod = StrEnum("RecomputeMethod", [(name, name) for name in METHODS])
+
+
+class LoggerMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 @dataclass
@@ -32,7 +68,7 @@ class RunConfig:
     # never: refuse a run.dir that already holds a run (nothing is overwritten);
     # restart: train from step 0 in this run.dir, its checkpoints moved (not deleted) to
     # checkpoints/abandoned-<UTC time>/ and metrics.jsonl appended to.
-    resume: str = "auto"
+    resume: Resume = Resume.auto
     # Build on the meta device, print and write plan.json, train nothing.
     dry_run: bool = False
 
@@ -45,9 +81,8 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     sequence: bool = False
-    context: int = 1
-    # gloo on CPU, nccl on GPUs.
-    backend: str = "auto"
+    # auto: gloo on CPU, nccl on GPUs.
+    backend: ProcessGroupBackend = ProcessGroupBackend.auto
 
 
 @dataclass
@@ -73,7 +108,7 @@ class TrainerConfig:
     save_every: int = 100
     keep_last: int = 3
     # What a NaN/Inf loss does: "stop" (exit code 4, no checkpoint) or "skip" the step.
-    on_nan: str = "stop"
+    on_nan: OnNan = OnNan.stop
     # With on_nan=skip: this many skipped steps in a row stop the run (exit code 4).
     max_consecutive_skips: int = 3
     # Every N steps: each layer's gradient norm and non-finite fraction -> metrics.jsonl/W&B
@@ -86,15 +121,15 @@ class TrainerConfig:
     # Activation recompute (megatron's meaning, model/recompute.py): none, selective (core
     # attention and the portable Mamba scan) or full (whole layers; recompute_method uniform:
     # chunks of recompute_layers layers, block: the first recompute_layers layers per stage).
-    recompute: str = "none"
-    recompute_method: str = "uniform"
+    recompute: Recompute = Recompute.none
+    recompute_method: RecomputeMethod = RecomputeMethod.uniform
     recompute_layers: int = 1
 
 
 @dataclass
 class LoggerConfig:
     # W&B: offline (default, no account needed), online, or disabled.
-    mode: str = "offline"
+    mode: LoggerMode = LoggerMode.offline
     project: str = "nvfp4-pretrain"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
@@ -109,7 +144,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    # The dry run's memory/time assumptions (model/plan.py).
+    # The dry run's memory/time assumptions (training/plan.py).
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
@@ -130,9 +165,12 @@ def register_configs() -> None:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Cross-field checks Hydra's types cannot express; each error names the key and a fix."""
+    """Every group's checks that Hydra's types cannot express (ranges, cross-field rules, the
+    layout over `world_size` processes), before anything is written; each error names the key.
+    A run's data files and tokenizer must exist (MissingDataError); a dry run plans without them."""
     check_ranges(cfg)
     cfg.model.validate()
+    validate_config(cfg.data, check_files=not cfg.run.dry_run)
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     if t < 1 or p < 1 or world_size % (t * p):
         raise ValueError(
@@ -151,12 +189,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"trainer.seq_length={tr.seq_length} exceeds model.max_sequence_length="
             f"{cfg.model.max_sequence_length}"
         )
-    if cfg.run.resume not in ("auto", "never", "restart"):
-        raise ValueError(f"run.resume={cfg.run.resume!r}: choose auto, never or restart")
-    if cfg.logger.mode not in ("online", "offline", "disabled"):
-        raise ValueError(f"logger.mode={cfg.logger.mode!r}: choose online, offline or disabled")
-    if tr.on_nan not in ("stop", "skip"):
-        raise ValueError(f"trainer.on_nan={tr.on_nan!r}: choose stop or skip")
     if cfg.parallel.sequence and t == 1:
         raise ValueError("parallel.sequence=true needs parallel.tensor > 1 (it splits the "
                          "sequence over the tensor-parallel ranks)")
@@ -164,11 +196,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(f"trainer.seq_length={tr.seq_length} must be divisible by "
                          f"parallel.tensor={t} with parallel.sequence=true")
     recompute_config(tr).validate()
-    if cfg.parallel.context != 1:
-        raise ValueError(
-            f"parallel.context={cfg.parallel.context} is not supported with the hybrid model's "
-            "portable spec; use 1"
-        )
     validate_precision(cfg.precision)
     if cfg.precision.format != "bf16":
         resolve_bf16_layers(cfg.precision, cfg.model.num_layers, cfg.model.bf16_first_layers,
@@ -213,7 +240,7 @@ def check_ranges(cfg: TrainConfig) -> None:
         _check(f"trainer.{key}", value, 0 <= value < 1, "must be in [0, 1)")
     _check("trainer.adam_eps", tr.adam_eps, tr.adam_eps > 0, "must be a finite number > 0")
     par = cfg.parallel
-    for key in ("tensor", "pipeline", "context"):
+    for key in ("tensor", "pipeline"):
         value = getattr(par, key)
         _check(f"parallel.{key}", value, value >= 1, "must be >= 1")
     for key in ("first_stage_layers", "last_stage_layers"):

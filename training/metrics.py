@@ -1,4 +1,5 @@
-"""Where metrics go: one console line per step, metrics.jsonl, and W&B (rank 0 only)."""
+"""Where metrics go: one console line per step, metrics.jsonl, and W&B (rank 0 only); and the
+one reader of metrics.jsonl (`read_metrics`) for the tools and tests that look at a run."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 log = logging.getLogger("nvfp4_pretrain")
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def setup_logging(run_dir: Path, is_main: bool) -> None:
@@ -95,7 +98,7 @@ class MetricsSink:
     def __init__(self, run_dir: Path, enabled: bool, wandb_run=None):
         self.enabled = enabled
         self.wandb_run = wandb_run
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -113,6 +116,27 @@ class MetricsSink:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def read_metrics(run_dir: Path, kind: Optional[Literal["step", "event"]] = None) -> list[dict]:
+    """The records of run_dir/metrics.jsonl in the order they were written.
+
+    A record is a step's metrics (``{"step", "loss", ...}``) or an event (``{"step", "event",
+    ...}``, see MetricsSink.event); ``kind`` keeps only one of the two. A resumed run logs again
+    the steps after its checkpoint, so a step can have two records: the later one counts. A line
+    that is not JSON (cut short when the writer was killed) is skipped.
+    """
+    if kind not in (None, "step", "event"):
+        raise ValueError(f"kind must be 'step', 'event' or None, not {kind!r}")
+    records = []
+    for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if kind is None or ("event" in record) == (kind == "event"):
+            records.append(record)
+    return records
 
 
 def wandb_key(key: str) -> str:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from model.compat import cpu_sequence_parallel_buffers
+from compat import cpu_sequence_parallel_buffers
 
 from .distributed import ParallelContext
 
@@ -120,7 +120,9 @@ def _accumulate(model, micro_batches, forward_step, config, forward_only) -> lis
 
 
 def _gpipe(model, micro_batches, ctx, forward_step, config, shape, forward_only) -> list[dict]:
-    """Twin of megatron's pipelined schedule: every forward, then every backward."""
+    """The CPU stand-in for megatron's 1F1B schedule, in GPipe order (every forward, then every
+    backward, the last micro-batch's first): the same computation in another order, holding
+    every micro-batch's activations at once."""
     from megatron.core import parallel_state as ps
 
     prev_rank = ps.get_pipeline_model_parallel_prev_rank()
@@ -157,7 +159,9 @@ def _gpipe(model, micro_batches, ctx, forward_step, config, shape, forward_only)
 
 
 def _megatron_schedule(model, micro_batches, forward_step, shape, forward_only) -> list[dict]:
-    """megatron-core's schedule (GPU): no pipelining, or 1F1B across the pipeline stages."""
+    """megatron-core's schedule (GPU): `forward_backward_no_pipelining`, or with several stages
+    `forward_backward_pipelining_without_interleaving`: 1F1B with one model chunk per stage (no
+    virtual pipeline size is set, so never the interleaved schedule)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq, micro, _hidden = shape

@@ -16,13 +16,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from data import MissingDataError, build_data, validate_config
+from compat import seed_model_parallel_rng
+from data import MissingDataError, build_data
 from model.build import build_model, choose_backend
-from model.compat import seed_model_parallel_rng
-from model.plan import run_preflight
-from nvfp4_recipe.policy import describe_kernels, low_precision_formats
-from nvfp4_recipe.te_runtime import (check_te_switch, modules_with_weight_cache,
-                                     refresh_quantized_weights)
+from nvfp4_recipe.megatron.controller import PrecisionController, diagnostics_summary
+from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, recompute_config, validate
@@ -34,6 +32,7 @@ from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
                               optimizer_checkpoint_format, optimizer_state_bytes)
 from .optim import WSDScheduler
 from .pipeline import run_micro_batches
+from .preflight import run_preflight
 from .run_dir import (RunDirBusy, lock_run_dir, release_run_dir,
                       remove_stale_checkpoint_temporaries)
 
@@ -104,6 +103,7 @@ class StepResult:
     lr: float  # the learning rate this step used
     skipped: bool
     health: dict[str, float] = field(default_factory=dict)  # grad/<layer>/... when measured
+    precision: dict[str, float] = field(default_factory=dict)  # quant/<layer>/... when measured
 
 
 class Trainer:
@@ -144,7 +144,8 @@ class Trainer:
         self.model, self.optimizer = build_data_parallel_model(self.core, tr, ctx)
         self.optimizer_format = optimizer_checkpoint_format(ctx.device, tr.distributed_optimizer)
         self.scheduler = WSDScheduler(self.optimizer, tr)
-        self.weight_caches = modules_with_weight_cache(self.core)  # TE's quantized weights
+        self.precision = PrecisionController(cfg.precision, self.built, self.tokens_per_step,
+                                             self.total_tokens)
         # Each rank draws its own stochastic-rounding stream (saved with its checkpoint).
         torch.manual_seed(stochastic_rounding_seed(tr.seed, ctx))
 
@@ -154,15 +155,9 @@ class Trainer:
         self.skipped_at_last_save = 0  # skipped_steps when the previous checkpoint was written
         self.wandb_id: Optional[str] = None
         self.val_batches = self.data.validation_batches(tr.eval_batches)
-        policy = self.built.policy
-        kernels = describe_kernels(cfg.precision, backend, ctx.device)
-        log.info(f"precision {cfg.precision.name}: {backend} GEMMs ({reason})"
-                 + (f"; first {policy.first} / last {policy.last} pattern layers in BF16"
-                    if cfg.precision.format != "bf16" else "")
-                 + (f"; {kernels}" if kernels else ""))
-        if low_precision_formats(cfg.precision):
-            log.info(f"precision map (each linear's Fprop/Dgrad/Wgrad; runs of pattern layers "
-                     f"that have the linear): {policy.describe_map()}")
+        for line in self.precision.describe(backend, reason, ctx.device):
+            log.info(line)
+        if self.precision.quantizes:
             for line in run_preflight(cfg, backend).summary():
                 log.info(line)
         log.info(render(self.data.train.describe_schedule()))
@@ -174,11 +169,21 @@ class Trainer:
                     if tr.distributed_optimizer and ctx.data > 1 else ""))
 
     # -- state ------------------------------------------------------------------------------
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
+        """What a checkpoint's trainer.pt holds: the loop's counters and W&B id, and the state
+        of the scheduler and the data stream (consumed_tokens is for readers; step implies it)."""
         return {"step": self.step, "scheduler": self.scheduler.state_dict(),
                 "data": self.data.train.state_dict(), "wandb_id": self.wandb_id,
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "consumed_tokens": self.consumed_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.train.load_state_dict(state["data"])
+        self.step, self.wandb_id = state["step"], state["wandb_id"]
+        self.skipped_steps = self.skipped_at_last_save = state["skipped_steps"]
+        # checkpoints written before max_consecutive_skips existed have no such counter
+        self.consecutive_skips = state.get("consecutive_skips", 0)
 
     @property
     def consumed_tokens(self) -> int:
@@ -194,7 +199,7 @@ class Trainer:
         path = ckpt.save_checkpoint(
             self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
             optimizer_format=self.optimizer_format,
-            trainer_state=self.state(), keep_last=self.cfg.trainer.keep_last,
+            trainer_state=self.state_dict(), keep_last=self.cfg.trainer.keep_last,
             skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
         self.skipped_at_last_save = self.skipped_steps
         log.info(f"saved checkpoint {path}")
@@ -211,16 +216,7 @@ class Trainer:
             raise TrainingError(str(exc), ExitCode.NO_USABLE_CHECKPOINT) from None
         except ckpt.CheckpointMismatch as exc:
             raise TrainingError(str(exc), ExitCode.CONFIG) from None
-        trainer = state["trainer"]
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        self.data.train.load_state_dict(trainer["data"])
-        self.step, self.wandb_id = trainer["step"], trainer["wandb_id"]
-        self.skipped_steps = self.skipped_at_last_save = trainer["skipped_steps"]
-        self.consecutive_skips = trainer.get("consecutive_skips", 0)
-        if state["rng"] is not None:
-            torch.set_rng_state(state["rng"]["cpu"])
-            if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(state["rng"]["cuda"])
+        self.load_state_dict(state["trainer"])
         if state["resharded"]:
             t, p, w = state["layout"]
             log.info(f"resharded from tensor {t} x pipeline {p} ({w} processes) to tensor "
@@ -241,13 +237,13 @@ class Trainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        refresh_quantized_weights(self.weight_caches)
+        for name, fields in self.precision.before_step(self.step):
+            if sink is not None:
+                sink.event(self.step, name, **fields)
         self.grad_health.begin_step()
-        # Diagnostics, when due, record each linear's last micro-batch.
-        self.built.runtime_state.collect_diagnostics = self._diagnostics_due()
         # Forward, backward and the data-parallel gradient sync (megatron's finalize_model_grads).
         total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape)
-        self.built.runtime_state.collect_diagnostics = False
+        precision_metrics = self.precision.after_step(self.step)
         loss = self._all_reduce_mean(total, parallel_state.get_data_parallel_group()).item()
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
         health = self.grad_health.collect() if self._grad_health_due() else None
@@ -278,12 +274,13 @@ class Trainer:
             self.optimizer.zero_grad()
             self.scheduler.step()
             return StepResult(loss, grad_norm, lr, skipped=True,
-                              health=stats.metrics(norms=health is not None))
+                              health=stats.metrics(norms=health is not None),
+                              precision=precision_metrics)
         self.consecutive_skips = 0
         self.optimizer.step_with_ready_grads()
         self.scheduler.step()
         return StepResult(loss, grad_norm, lr, skipped=False,
-                          health=health.metrics() if health else {})
+                          health=health.metrics() if health else {}, precision=precision_metrics)
 
     @cached_property
     def grad_health(self) -> GradHealth:
@@ -309,39 +306,15 @@ class Trainer:
                 + ("; the loss itself is not finite: the forward pass went non-finite"
                    if not math.isfinite(loss) else ""))
 
-    def _diagnostics_due(self) -> bool:
-        every = self.cfg.precision.diagnostics_every
-        return every > 0 and (self.step + 1) % every == 0
-
-    def _collect_diagnostics(self) -> dict[str, float]:
-        out = {}
-        for name, module in self.core.named_modules():
-            for role, stats in getattr(module, "diagnostics", {}).items():
-                for stat, value in stats.items():
-                    out[f"quant/{name.removeprefix('decoder.')}/{role}/{stat}"] = float(value)
-            if hasattr(module, "diagnostics"):
-                module.diagnostics = {}
-        return out
-
     @torch.no_grad()
     def evaluate(self) -> float:
         from megatron.core import parallel_state
 
         self.model.eval()
-        refresh_quantized_weights(self.weight_caches)  # the weights the last step produced
+        self.precision.before_evaluation()
         loss = run_micro_batches(self.model, self.val_batches, self.ctx, self.activation_shape,
                                  forward_only=True)
         return self._all_reduce_mean(loss, parallel_state.get_data_parallel_group()).item()
-
-    def _maybe_switch_precision(self, sink: MetricsSink) -> None:
-        switch = self.cfg.precision.switch_to_bf16
-        if switch.at_fraction is None or self.cfg.precision.format == "bf16":
-            return
-        due = self.consumed_tokens >= switch.at_fraction * self.total_tokens
-        if due and self.built.runtime_state.switched_passes is None:
-            self.built.runtime_state.switched_passes = switch.passes
-            sink.event(self.step, "switch_to_bf16", passes=switch.passes,
-                       consumed_tokens=self.consumed_tokens)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
@@ -358,8 +331,8 @@ class Trainer:
         if self.ctx.is_main:
             wandb_run = start_wandb(
                 self.run_dir, cfg.logger.mode, cfg.logger.project, cfg.logger.entity,
-                cfg.run.name, cfg.logger.tags, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                self.wandb_id)
+                cfg.run.name, cfg.logger.tags,
+                OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True), self.wandb_id)
             self.wandb_id = wandb_run.id if wandb_run is not None else None
         sink = MetricsSink(self.run_dir, self.ctx.is_main, wandb_run)
         if cfg.run.resume == "restart":  # metrics.jsonl: the steps that follow start over
@@ -369,7 +342,6 @@ class Trainer:
         start_step, t_start = self.step, time.perf_counter()
         try:
             while self.step < tr.max_steps:
-                self._maybe_switch_precision(sink)
                 t0 = time.perf_counter()
                 micro_batches = self.data.train.next_global_batch()
                 result = self.train_step(micro_batches, sink)
@@ -382,10 +354,9 @@ class Trainer:
                            **self.data.train.metrics(), **result.health}
                 if self.step % tr.eval_every == 0 or self.step == tr.max_steps:
                     metrics["val_loss"] = self.evaluate()
-                diagnostics = self._collect_diagnostics()
-                if diagnostics:
-                    metrics.update(diagnostics)
-                    log.info(diagnostics_summary(diagnostics))
+                if result.precision:
+                    metrics.update(result.precision)
+                    log.info(diagnostics_summary(result.precision))
                 if result.health:
                     log.info(grad_health_line(result.health))
                 elapsed = time.perf_counter() - t_start
@@ -404,15 +375,6 @@ class Trainer:
         finally:
             sink.close()
         return ExitCode.OK
-
-
-def diagnostics_summary(diag: dict[str, float]) -> str:
-    errors = [v for k, v in diag.items() if k.endswith("/rel_error")]
-    zeros = [v for k, v in diag.items() if k.endswith("/zero_frac")]
-    layers = {k.split("/")[1] for k in diag}
-    return (f"quant: {len(layers)} low-precision linears, relative error mean "
-            f"{sum(errors) / max(len(errors), 1):.4f} max {max(errors, default=0):.4f}, "
-            f"flushed-to-zero mean {sum(zeros) / max(len(zeros), 1):.4f}")
 
 
 def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
@@ -512,14 +474,13 @@ def run(cfg) -> int:
     try:
         cfg: TrainConfig = OmegaConf.to_object(cfg)
         if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
-            from model.plan import dry_run, plan_world_size
+            from .plan import dry_run, plan_world_size
 
             ctx = init_distributed(1, 1, cfg.parallel.backend)
             validate(cfg, plan_world_size(cfg))
             return dry_run(cfg, ctx)
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
-        validate(cfg, ctx.world_size)
-        validate_config(cfg.data, check_files=True)  # before anything is written
+        validate(cfg, ctx.world_size)  # every group, data files included: before anything is written
         backend = choose_backend(cfg.precision, cfg.model.spec)[0]
         if backend == "te":
             switch = cfg.precision.switch_to_bf16

@@ -1,4 +1,4 @@
-"""Benchmark of the data side: ``python -m data.bench [--model-tokens-per-sec 2000]``.
+"""Benchmark of the data loader: ``python -m benchmarks.data_loader [--model-tokens-per-sec 2000]``.
 
 1. Loader throughput on the demo recipe (seq 256): samples/s and tokens/s of
    ``next_global_batch`` versus what a demo model consumes (``--model-tokens-per-sec``).
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    ap = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.data_loader", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-tokens-per-sec", type=float, default=2000.0,
                     help="what the demo model consumes (tokens/s), to compare the loader against")
     ap.add_argument("--cache-dir", default=os.path.join(os.environ.get("NVFP4_CACHE", ".cache"), "data"))
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         demo = _in_fresh_process("demo", args.cache_dir, root)
         big = _in_fresh_process("phased_10t", os.path.join(root, "cache"), root)
 
-    t = Table(title="data.bench (CPU)")
+    t = Table(title="benchmarks.data_loader (CPU)")
     t.add_column("measure")
     t.add_column("value", justify="right")
     t.add_column("note")

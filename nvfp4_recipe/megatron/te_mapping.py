@@ -1,91 +1,40 @@
 """Map our precision keys to Transformer Engine recipes, and say where TE can run them.
 
-`te_recipe_spec` and `te_supports` are pure functions (tested on CPU, where TE cannot be
-imported); `probe_te_support` asks the installed TE; `build_te_recipe` imports TE lazily and is
-only called on a GPU with TE installed.
+Each format's recipe and device rules are registered in nvfp4_recipe/registry.py; here they are
+applied to a precision config. `te_recipe_spec` and `te_supports` are pure functions (tested on
+CPU, where TE cannot be imported); `probe_te_support` asks the installed TE; `build_te_recipe`
+imports TE lazily and is only called on a GPU with TE installed.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
-from .policy import PrecisionConfig, low_precision_formats, validate_precision
-
-# Blackwell (B200/GB200 = 10.0, B300/GB300 = 10.3) is where TE runs NVFP4 GEMMs. Stricter than
-# TE's own check (>= 10.0, TE v2.8 fp8.py:57-61): this project has not run NVFP4 on 12.x.
-NVFP4_COMPUTE_CAPABILITY_MAJOR = 10
+from nvfp4_recipe.policy import PrecisionConfig, low_precision_formats, validate_precision
+from nvfp4_recipe.registry import format_spec, major_minor
 
 
 def te_recipe_spec(cfg: PrecisionConfig) -> Optional[dict[str, Any]]:
-    """The TE recipe class name and constructor kwargs for a precision config (None for bf16)."""
+    """The TE recipe class name and constructor kwargs for a precision config (None for bf16,
+    and for a format TE has no recipe for)."""
     validate_precision(cfg)
-    if cfg.format == "bf16":
-        return None
-    if cfg.format == "nvfp4":
-        return {
-            "recipe": "NVFP4BlockScaling",
-            "kwargs": {
-                "disable_rht": not cfg.rht,
-                "disable_stochastic_rounding": not cfg.stochastic_rounding,
-                "disable_2d_quantization": not cfg.weight_2d,
-            },
-        }
-    if cfg.format == "fp8":
-        # The paper's FP8 baseline: E4M3 everywhere, 128x128 weight / 1x128 activation blocks.
-        return {"recipe": "Float8BlockScaling", "kwargs": {"fp8_format": "E4M3"}}
-    if cfg.format == "mxfp4":
-        # TE has no MXFP4 training recipe: MXFP4 only runs in the emulation.
-        return None
-    raise AssertionError(cfg.format)
-
-
-def _major_minor(version: Optional[str]) -> Optional[tuple[int, int]]:
-    """(major, minor) of "12.9", "2.9.0+abc", "2.10.0.dev0"; None when absent or unparsable."""
-    match = re.match(r"(\d+)\.(\d+)", version or "")
-    return (int(match[1]), int(match[2])) if match else None
+    return format_spec(cfg.format).te_recipe(cfg)
 
 
 def _project_rule(fmt: str, capability: Optional[tuple[int, int]]) -> tuple[bool, str]:
     """What this project asks of a device before TE is consulted."""
     if capability is None:
         return False, "no CUDA device"
-    if fmt == "mxfp4":
-        return False, "TE has no MXFP4 training recipe"
-    if fmt == "nvfp4" and capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
-        major, minor = capability
-        return False, f"NVFP4 TE GEMMs need compute capability 10.x, found {major}.{minor}"
-    return True, ""
+    return format_spec(fmt).device_rule(capability)
 
 
 def te_recipe_rule(fmt: str, capability: tuple[int, int], cuda_version: Optional[str],
                    te_version: Optional[str]) -> tuple[bool, str]:
     """TE's own check of a recipe, restated for a TE release: the fallback where TE cannot be
     asked (`probe_te_support`). `cuda_version` is `torch.version.cuda`."""
-    te = _major_minor(te_version)
-    if te is None:
+    if major_minor(te_version) is None:
         return False, f"unknown transformer_engine version {te_version!r}"
-    cc = f"{capability[0]}.{capability[1]}"
-    if fmt == "nvfp4":
-        if te < (2, 8):  # NVFP4BlockScaling first appears in v2.8 (common/recipe/__init__.py:381)
-            return False, f"NVFP4BlockScaling needs transformer_engine >= 2.8, found {te_version}"
-        # cc >= 10.0: v2.8 fp8.py:57-61, v2.9 quantization.py:71-76, v2.18 quantization.py:171-176
-        if capability < (10, 0):
-            return False, f"TE NVFP4 needs compute capability 10.0 or newer, found {cc}"
-    if fmt == "fp8":
-        if te < (2, 3):  # Float8BlockScaling first appears in v2.3 (common/recipe/__init__.py:298)
-            return False, f"Float8BlockScaling needs transformer_engine >= 2.3, found {te_version}"
-        # cc >= 9.0 and CUDA >= 12.9 (v2.9 quantization.py:79-86, v2.18 quantization.py:178-185);
-        # up to v2.8 also cc < 10.0 (v2.8 fp8.py:64-72). TE compares float(torch.version.cuda).
-        cuda = _major_minor(cuda_version)
-        if cuda is None or cuda < (12, 9):
-            return False, f"FP8 block scaling needs CUDA 12.9 or newer, found {cuda_version}"
-        if capability < (9, 0):
-            return False, f"FP8 block scaling needs compute capability 9.0 or newer, found {cc}"
-        if te < (2, 9) and capability >= (10, 0):
-            return False, (f"transformer_engine {te_version} runs FP8 block scaling on compute "
-                           f"capability 9.x only (10.x from TE 2.9), found {cc}")
-    return True, ""
+    return format_spec(fmt).te_release_rule(capability, cuda_version, te_version)
 
 
 def te_formats(cfg: PrecisionConfig) -> list[str]:
@@ -106,14 +55,9 @@ def te_supports(cfg: PrecisionConfig, capability: Optional[tuple[int, int]],
     return True, ""
 
 
-# The FP8GlobalStateManager class methods that answer (available, reason) for a recipe:
-# TE v2.8 fp8.py:216-231, v2.9 quantization.py:300-308, v2.18 quantization.py:441-449.
-_TE_AVAILABILITY_CHECK = {"fp8": "is_fp8_block_scaling_available", "nvfp4": "is_nvfp4_available"}
-
-
 def _ask_te(fmt: str) -> Optional[tuple[bool, str]]:
     """TE's own verdict on this device, or None where this TE release has no check for it."""
-    method = _TE_AVAILABILITY_CHECK.get(fmt)
+    method = format_spec(fmt).te_availability_check
     if method is None:
         return None
     try:  # TE >= 2.9; transformer_engine.pytorch.fp8 is a deprecated alias there (v2.18 fp8.py:13)

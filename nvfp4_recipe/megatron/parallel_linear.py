@@ -2,9 +2,10 @@
 
 Column- and row-parallel semantics (sharding, TP all-reduces, the sequence-parallel
 reduce-scatter after a row-parallel GEMM) are megatron's own: we only replace `_forward_impl`,
-the local GEMM, and with it the sequence-parallel all-gather megatron folds into it. Every GEMM runs on BF16 operands (as on the GPU, where
-activations are BF16 and TE quantizes from them); the low-precision formats quantize those
-operands with the `nvfp4_recipe` emulation. Master weights and their gradients stay FP32.
+the local GEMM, and with it the sequence-parallel all-gather megatron folds into it. Every GEMM
+runs on BF16 operands (as on the GPU, where activations are BF16 and TE quantizes from them); the
+low-precision formats quantize those operands with the `nvfp4_recipe` emulation
+(`nvfp4_recipe.registry.gemm_config_for` gives a format's config). Master weights and their gradients stay FP32.
 """
 
 from __future__ import annotations
@@ -20,31 +21,11 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from .linear import WeightOperandCache
-from .policy import PrecisionConfig, RuntimePrecisionState
+from nvfp4_recipe.diagnostics import quantization_error_stats
+from nvfp4_recipe.linear import WeightOperandCache, quantized_linear
+from nvfp4_recipe.policy import RuntimePrecisionState
 
 COMPUTE_DTYPE = torch.bfloat16
-
-
-def gemm_config_for(fmt: str, cfg: PrecisionConfig):
-    """The emulated-GEMM config of one format under a precision recipe (None for BF16)."""
-    if fmt == "bf16":
-        return None
-    from . import FP8BlockConfig, MXFP4Config, NVFP4Config
-
-    if fmt == "nvfp4":
-        return NVFP4Config(
-            rht=cfg.rht,
-            stochastic_rounding=cfg.stochastic_rounding,
-            weight_2d=cfg.weight_2d,
-            gemm=cfg.gemm,
-            kernels=cfg.kernels,
-        )
-    if fmt == "mxfp4":
-        return MXFP4Config(gemm=cfg.gemm)
-    if fmt == "fp8":
-        return FP8BlockConfig(gemm=cfg.gemm)
-    raise ValueError(f"unknown GEMM format {fmt!r}")
 
 
 class _PrecisionLinearMixin:
@@ -57,8 +38,8 @@ class _PrecisionLinearMixin:
         # Filled when runtime_state.collect_diagnostics is on: {"activation": {...}, ...}.
         self.diagnostics: dict[str, dict[str, float]] = {}
         # TE's protocol for its quantized-weight cache, which the trainer already drives
-        # (nvfp4_recipe.te_runtime.refresh_quantized_weights sets True at the start of every step
-        # and evaluation): True -> quantize the weight and keep it, False -> reuse it, None (the
+        # (te_runtime.refresh_quantized_weights sets True at the start of every step and
+        # evaluation): True -> quantize the weight and keep it, False -> reuse it, None (the
         # default, outside the trainer) -> quantize at every call.
         self.is_first_microbatch: Optional[bool] = None
         self.weight_cache = WeightOperandCache()
@@ -85,8 +66,6 @@ class _PrecisionLinearMixin:
         if config is None:
             out = F.linear(x_c, w_c)
         else:
-            from . import quantized_linear
-
             if self.runtime_state.collect_diagnostics:
                 self._record_diagnostics(x_c, w_c, config)
             out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache())
@@ -105,15 +84,11 @@ class _PrecisionLinearMixin:
 
     @torch.no_grad()
     def _record_diagnostics(self, x, w, config):
-        from . import quantization_error_stats
-
         self.diagnostics["activation"] = quantization_error_stats(x, config, role="activation")
         self.diagnostics["weight"] = quantization_error_stats(w, config, role="weight")
 
     @torch.no_grad()
     def _record_gradient(self, grad, config):
-        from . import quantization_error_stats
-
         self.diagnostics["gradient"] = quantization_error_stats(grad, config, role="gradient")
         return None
 

@@ -1,4 +1,4 @@
-"""Throughput of ``python -m data.prepare``: ``python -m data.bench_prepare [--mb 16] [--workers 1 2 4]``.
+"""Throughput of ``python -m data.prepare``: ``python -m benchmarks.data_prepare [--mb 16] [--workers 1 2 4]``.
 
 Corpus: natural text every Python install carries, as JSONL (one document per line) and as the
 same documents in Parquet -- the standard library's ``.py`` files (code) and ``pydoc_data.topics``
@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
+
+from .machine import machine_summary
 
 
 def _sources() -> List[str]:
@@ -106,7 +108,7 @@ def run_one(inp: str, tok: str, out: str, workers: int) -> Dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data.bench_prepare", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.data_prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=16.0, help="corpus size in MB of text")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--cache-dir", default=os.path.join(os.environ.get("NVFP4_CACHE", ".cache"), "data"))
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
                     r = run_one(inp, tok, str(d / f"out_{fmt}"), w)
                     rows.append((tname, fmt, w, r))
                     print(f"{tname} {fmt} workers={w}: {r}", file=sys.stderr, flush=True)
-    print(f"\n{os.cpu_count()} CPUs; corpus {args.mb:g} MB of text\n")
+    print(f"\n{machine_summary()}; corpus {args.mb:g} MB of text\n")
     print("| tokenizer | input | workers | wall s | MB/s (file) | tokens/s | tokens/s per worker | "
           "CPU s | tokens per CPU-s | bytes/token | load avg before -> after |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -1,5 +1,8 @@
 """Every difference between megatron-core releases, and every CUDA assumption we work around.
 
+A top-level module below model/, training/ and benchmarks/, which all use it; it imports
+nothing of this project.
+
 One module, each item named (see tests/test_compat.py, which fails if upstream changes):
 1. `hybrid_model_class`: `MambaModel` (<= 0.17) became `HybridModel` (>= 0.18: first tagged in
    core_v0.18.0, commit 15e07a2). `hybrid_override_pattern` became `hybrid_layer_pattern`, and

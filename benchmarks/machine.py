@@ -1,4 +1,10 @@
-"""Timing helpers shared by the benches: interleaved medians, what the machine is, and how loaded it was."""
+"""What a bench ran on and how busy the machine was: every bench reports both.
+
+`hardware_info()` (CPU, threads, torch, Python, GPU) and `device_info()` (that plus CUDA, GPU
+memory, Transformer Engine and the known dense BF16 peak) are the one description of a machine;
+`MachineLoad` measures the CPU time other processes took while a bench ran and marks its ratios
+LOADED; `background_load` makes a busy machine on purpose.
+"""
 
 from __future__ import annotations
 
@@ -6,51 +12,14 @@ import contextlib
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def measure(fn: Callable[[], object], warmup: int = 1, repeats: int = 5) -> float:
-    """Median wall time of fn() in seconds, after `warmup` untimed calls (CUDA synchronized)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _synchronize()
-        start = time.perf_counter()
-        fn()
-        _synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_interleaved(fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Median seconds per fn, timing the fns round-robin so that load from other processes on a
-    shared machine hits all of them alike (ratios stay meaningful when absolute times drift)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _synchronize()
-            start = time.perf_counter()
-            fn()
-            _synchronize()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cpu_model() -> str:
@@ -89,17 +58,13 @@ def hardware_info() -> dict[str, object]:
     return info
 
 
-def format_table(rows: list[dict[str, object]], columns: list[str]) -> str:
-    """A Markdown table of `rows` (dicts) restricted to `columns`."""
-    def cell(value: object) -> str:
-        return f"{value:.3g}" if isinstance(value, float) else str(value)
+def machine_summary(info: dict[str, object] | None = None) -> str:
+    """One line for a report: CPU, threads, torch, Python and the GPU, from hardware_info()."""
+    info = info or hardware_info()
+    line = (f"{info['cpu']}, {info['cpu_count']} logical CPUs, torch {info['torch']} "
+            f"({info['torch_threads']} threads), Python {info['python']}")
+    return line + (f", {info['gpu']} (sm {info['gpu_capability']})" if "gpu" in info else "")
 
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-# -- additions for the all-hardware bench (launch/bench.py); the functions above are unchanged --
 
 # Dense (no sparsity) BF16 tensor-core peaks in TFLOP/s, matched by substring of the CUDA device
 # name, most specific first. Sources: NVIDIA H100/H200 datasheets (SXM: 1,979 TFLOP/s "with
@@ -129,11 +94,6 @@ def bf16_peak_tflops(device_name: str | None) -> tuple[float | None, str]:
         if key.upper() in upper:
             return peak, f"{key}: {source}"
     return None, f"no known BF16 peak for {device_name!r} (add it to BF16_DENSE_PEAK_TFLOPS)"
-
-
-def gemm_tflops(m: int, k: int, n: int, seconds: float) -> float:
-    """Throughput of an (m x k) @ (k x n) GEMM, counting 2*m*k*n FLOPs."""
-    return 2.0 * m * k * n / seconds / 1e12
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -177,36 +137,6 @@ def device_info() -> dict[str, object]:
     info["bf16_peak_source"] = source
     info["transformer_engine"] = transformer_engine_info()
     return info
-
-
-class SectionTimer:
-    """Accumulated wall time of wrapped functions (synchronizing CUDA around each call), e.g. to
-    find the share of a training step spent in the quantizers. Not re-entrant-safe across threads."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._depth = 0
-
-    def wrap(self, name: str, fn: Callable) -> Callable:
-        def wrapped(*args, **kwargs):
-            if self._depth:  # nested wrapped calls count once, in the outermost
-                return fn(*args, **kwargs)
-            self._depth += 1
-            _synchronize()
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _synchronize()
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-                self.calls[name] = self.calls.get(name, 0) + 1
-                self._depth -= 1
-
-        return wrapped
-
-    def total(self) -> float:
-        return sum(self.seconds.values())
 
 
 # -- machine load: every bench reports it, and marks ratios measured under load ------------------

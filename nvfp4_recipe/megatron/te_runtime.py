@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .policy import LayerPrecision, RuntimePrecisionState
+from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
 
 
 def te_layer_recipe(decision: LayerPrecision, state: RuntimePrecisionState,
@@ -95,7 +95,7 @@ def te_linear_context(layer_format: str, linear_format: str, state: RuntimePreci
 
 def modules_with_weight_cache(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every module whose quantized-weight cache is keyed by `is_first_microbatch`: TE's linears
-    and the emulated ones (nvfp4_recipe/parallel_linear.py), which follow the same protocol."""
+    and the emulated ones (parallel_linear.py, this package), which follow the same protocol."""
     return [m for m in model.modules() if hasattr(m, "is_first_microbatch")]
 
 

@@ -1,11 +1,11 @@
-"""Numerics benchmark: `python -m nvfp4_recipe.bench [--quick] [--json PATH]`.
+"""Numerics benchmark: `python -m benchmarks.numerics [--quick] [--background-load N] [--json PATH]`.
 
 Quantize throughput of quantize_nvfp4 (1x16, 16x16, SR; default kernels, and eager) against
 torchao's NVFP4Tensor.to_nvfp4
 and a plain vectorized reference (TE-reference style: one mask per E2M1 threshold, no chunking),
 and emulated nvfp4_linear forward+backward against bf16 F.linear (kernels "auto", i.e. compiled
 where inductor can build them, and "eager"). Prints Markdown tables of seconds and ratios; timings
-are interleaved medians (see benchmarking.measure_interleaved).
+are interleaved medians (see benchmarks/timing.py measure_interleaved).
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ import json
 import torch
 import torch.nn.functional as F
 
-from nvfp4_recipe.benchmarking import (
-    MachineLoad,
-    background_load,
-    format_table,
-    hardware_info,
-    measure_interleaved,
-)
 from nvfp4_recipe.config import NVFP4Config
 from nvfp4_recipe.linear import nvfp4_linear
 from nvfp4_recipe.nvfp4 import quantize_nvfp4, tensor_scales
+
+from .machine import MachineLoad, background_load, hardware_info
+from .timing import format_table, measure_interleaved
 
 FP32_MAX = torch.finfo(torch.float32).max
 

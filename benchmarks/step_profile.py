@@ -1,6 +1,6 @@
 """Where one training step's time goes, BF16 against emulated NVFP4 (issue 16, item 1).
 
-    python -m launch.profile_step [--steps 3] [--repeats 3] [--out docs/benchmarks/step-profile.md]
+    python -m benchmarks.step_profile [--steps 3] [--repeats 3] [--out docs/benchmarks/step-profile.md]
 
 Builds the demo model as the trainer does (BF16 weights, FP32 main grads and master weights,
 the CPU twins of megatron's DDP and optimizer, megatron's loss contract) on random tokens of the
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from nvfp4_recipe.benchmarking import MachineLoad
 from nvfp4_recipe.parts import PartTimer, part
+
+from .machine import MachineLoad, machine_summary
 
 VARIANTS = {  # name -> (format, PrecisionConfig field overrides, trainer.recompute)
     "bf16": ("bf16", {}, "none"),
@@ -85,7 +86,7 @@ def _demo_setup(variant: str, ctx, hidden_size: int | None):
 
 
 def _step(core, model, optimizer, batches, hidden, ctx) -> None:
-    from nvfp4_recipe.te_runtime import modules_with_weight_cache, refresh_quantized_weights
+    from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
     from training.pipeline import run_micro_batches
 
     model.zero_grad_buffer()
@@ -129,23 +130,19 @@ def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | No
             "parts_s": {v: {name: statistics.median(x) for name, x in p.items()}
                         for v, p in parts.items()},
             "load": load.to_json(), "load_line": load.line(), "steps": steps, "repeats": repeats,
-            "threads": torch.get_num_threads(), "hidden_size": setups[variants[0]][4]}
+            "hidden_size": setups[variants[0]][4]}
 
 
 def report(result: dict) -> str:
-    from nvfp4_recipe.benchmarking import hardware_info
-
     variants = list(result["median_step_s"])
     steps = result["median_step_s"]
     base = steps[variants[0]]
-    info = hardware_info()
     lines = [
         "# One demo training step, part by part",
         "",
-        f"Machine: {info['cpu']}, {info['cpu_count']} logical CPUs, "
-        f"torch {torch.__version__}, {result['threads']} threads. Load: {result['load_line']}.",
+        f"Machine: {machine_summary()}. Load: {result['load_line']}.",
         "",
-        "Produced by `python -m launch.profile_step` (method in its docstring): demo model at "
+        "Produced by `python -m benchmarks.step_profile` (method in its docstring): demo model at "
         f"hidden size {result['hidden_size']}, medians of {result['repeats']} interleaved rounds "
         f"of {result['steps']} steps per variant.",
         "",

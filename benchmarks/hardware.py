@@ -1,4 +1,4 @@
-"""Hardware bench: `python -m launch.bench [--quick] [--tokens N] [--json PATH]` (`make bench ARGS=...`).
+"""Hardware bench: `python -m benchmarks.hardware [--quick] [--tokens N] [--json PATH]` (`make bench ARGS=...`).
 
 "What do I get on my machine?" Detects the hardware (CPU, CUDA device and compute capability,
 Transformer Engine) and measures, at GEMM shapes of the 12B Nemotron-H model:
@@ -15,12 +15,12 @@ Transformer Engine) and measures, at GEMM shapes of the 12B Nemotron-H model:
 Prints one rich table (absolute numbers, ratio to the BF16 row of the same case, the path each row
 used, skipped rows with the reason) and writes JSON (default runs/bench/<time>-<device>.json) and a
 Markdown copy of the table next to it. Timings: warm-up, then interleaved repeats, medians
-(nvfp4_recipe.benchmarking); CUDA synchronized around each timed call; inputs are random normal.
+(benchmarks/timing.py); CUDA synchronized around each timed call; inputs are random normal.
 
-JSON keys (schema_version 1): schema_version, command, hardware (benchmarking.device_info()),
+JSON keys (schema_version 1): schema_version, command, hardware (benchmarks.machine.device_info()),
 settings {device, quick, tokens, scale, warmup, repeats, train_repeats, shapes, train_models},
 rows [{section, case, shape, path, status, ms, value, unit, vs_bf16, vs_peak, note}],
-skipped [{section, case, path, reason}], load_average_end, load (benchmarking.LoadReport: load
+skipped [{section, case, path, reason}], load_average_end, load (benchmarks.machine.LoadReport: load
 averages at start and end, CPUs used by other processes, loaded), elapsed_s.
 status is "ok", "skipped" (the reason in note) or "error" (the exception in note).
 vs_bf16 = BF16 time / this row's time for the same case (>1: faster than BF16).
@@ -43,15 +43,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from nvfp4_recipe.benchmarking import (
-    MachineLoad,
-    SectionTimer,
-    device_info,
-    format_table,
-    gemm_tflops,
-    load_average,
-    measure_interleaved,
-)
+from .machine import MachineLoad, device_info, load_average
+from .timing import SectionTimer, format_table, gemm_tflops, measure_interleaved
 
 SCHEMA_VERSION = 1
 CPU_SCALED_MM_MIN_GFLOPS = 5.0  # below this, _scaled_mm on CPU is a reference loop: skip its rows
@@ -122,14 +115,14 @@ def _capability() -> tuple[int, int] | None:
 def te_status(fmt: str) -> tuple[bool, str]:
     """Whether the TE row of a format ("bf16", "fp8", "nvfp4") can run here, and why not."""
     from nvfp4_recipe.policy import PrecisionConfig
-    from nvfp4_recipe.te_mapping import probe_te_support
+    from nvfp4_recipe.megatron.te_mapping import probe_te_support
 
     return probe_te_support(PrecisionConfig(name=fmt, format=fmt), _capability())
 
 
 def _te_recipe(fmt: str):
     from nvfp4_recipe.policy import PrecisionConfig
-    from nvfp4_recipe.te_mapping import build_te_recipe
+    from nvfp4_recipe.megatron.te_mapping import build_te_recipe
 
     return build_te_recipe(PrecisionConfig(name=fmt, format=fmt))
 
@@ -266,7 +259,7 @@ def _te_linear_fn(fmt: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], ob
     """te.Linear(k, n) with our weights; forward under TE's autocast with the format's recipe."""
     import transformer_engine.pytorch as te
 
-    from model.compat import te_autocast
+    from compat import te_autocast
 
     layer = te.Linear(w.shape[1], w.shape[0], bias=False, params_dtype=torch.bfloat16,
                       device=x.device)
@@ -325,8 +318,8 @@ def _ensure_parallel_state():
 
 def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, device: torch.device,
                    warmup: int, repeats: int, peak: float | None) -> list[dict[str, object]]:
+    from compat import seed_model_parallel_rng
     from model.build import build_model, choose_backend
-    from model.compat import seed_model_parallel_rng
     from nvfp4_recipe.policy import PrecisionConfig
 
     _ensure_parallel_state()
@@ -455,7 +448,7 @@ def default_json_path(info: dict[str, object]) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hardware", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="scaled-down shapes (12B dims / 8, 256 tokens), demo step at 2x64: < 1 min on 2 CPU cores")
     p.add_argument("--tokens", type=int, default=None,
@@ -537,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                for r in rows if r["status"] != "ok"]
     results = {
         "schema_version": SCHEMA_VERSION,
-        "command": " ".join([os.path.basename(sys.executable), "-m", "launch.bench", *(argv or sys.argv[1:])]),
+        "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.hardware", *(argv or sys.argv[1:])]),
         "hardware": info, "settings": settings, "rows": rows, "skipped": skipped,
         "load_average_end": load_average(), "load": load.to_json(),
         "elapsed_s": round(time.perf_counter() - started, 1),

@@ -1,54 +1,30 @@
-"""Shared fixtures and helpers for tests/test_data_*.py (import them into the test module).
-
-The demo corpus is built once per test session (module-level cache: pytest would otherwise run a
-session fixture once per importing module) in a temporary cache dir.
-"""
+"""Builders the tests share (the fixtures are in conftest.py): data configs over the demo corpus
+and over synthetic sources, model and training configs from the recipes, a free TCP port."""
 
 from __future__ import annotations
 
 import os
-import warnings
+import socket
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
-import pytest
-
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes" / "data"
-
-_CACHE: Dict[str, object] = {}
 
 # synthetic sources: source j writes token ids in [BAND*j + 1, BAND*(j+1)], EOD = 0
 BAND = 60
 
 
-@pytest.fixture(scope="session")
-def demo_corpus(tmp_path_factory):
-    """(cache_dir, DemoCorpus) of the default demo corpus, built once per session."""
-    if "demo" not in _CACHE:
-        from data.demo import ensure_demo_corpus
-
-        cache = str(tmp_path_factory.mktemp("data-cache"))
-        _CACHE["demo"] = (cache, ensure_demo_corpus(cache))
-    return _CACHE["demo"]
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a multi-process test's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tmp_path_factory) -> str:
-    """Path of a small (300-token) byte-level BPE tokenizer.json."""
-    if "tok" not in _CACHE:
-        from data.tokenizer import train_bpe_tokenizer
-
-        d = tmp_path_factory.mktemp("tok")
-        words = ["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"] * 50
-        tok = train_bpe_tokenizer(words, 300)
-        path = str(d / "tokenizer.json")
-        tok.save(path)
-        _CACHE["tok"] = path
-    return _CACHE["tok"]
+# -- data ---------------------------------------------------------------------------------------
 
 
 def demo_config(cache_dir: str, **overrides):
@@ -117,3 +93,38 @@ def synthetic_config(
         name="synthetic", cache_dir=os.path.join(root, "cache"), tokenizer=tokenizer, categories=cats,
         validation={"v": [val]}, phases=[PhaseConfig(**p) for p in phases], total_tokens=total_tokens,
     )
+
+
+# -- model and training configs -----------------------------------------------------------------
+
+
+def model_config(name: str):
+    """A ModelConfig from recipes/model/<name>.yaml (its Hydra `defaults` list dropped)."""
+    from omegaconf import OmegaConf
+
+    from model.config import ModelConfig
+
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "recipes" / "model" / f"{name}.yaml"))
+    raw.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+
+
+def train_config(model: str = "demo", precision=None, *, tensor: int = 1, pipeline: int = 1,
+                 seq_length=None, micro_batch_size=None, global_batch_size=None, run_dir=None):
+    """A TrainConfig dataclass (as run() passes it) with the given model recipe and precision."""
+    from training.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.model = model_config(model)
+    if precision is not None:
+        cfg.precision = precision
+    cfg.parallel.tensor, cfg.parallel.pipeline = tensor, pipeline
+    if seq_length is not None:
+        cfg.trainer.seq_length = seq_length
+    if micro_batch_size is not None:
+        cfg.trainer.micro_batch_size = micro_batch_size
+    if global_batch_size is not None:
+        cfg.trainer.global_batch_size = global_batch_size
+    if run_dir is not None:
+        cfg.run.dir = str(run_dir)
+    return cfg

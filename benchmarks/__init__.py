@@ -1,0 +1,13 @@
+"""Benchmarks, each a `python -m benchmarks.<name>` command whose results are in docs/benchmarks/:
+
+    hardware      GEMMs at the 12B shapes, training steps (tokens/s, MFU), quantization share
+                  (`make bench`; also the bench part of launch/gpu_check.sh)
+    numerics      the NVFP4 quantizers and the emulated linear against torchao and a plain reference
+    step_profile  where one demo training step's time goes, BF16 against emulated NVFP4
+    memory        the dry run's memory plan against a measured CPU run
+    data_loader   the data loader's throughput and the blend state's memory
+    data_prepare  the tokenizing throughput of `python -m data.prepare`
+
+Shared by all of them: machine.py (what the machine is and how loaded it was while a bench ran)
+and timing.py (interleaved medians, section timers, Markdown tables).
+"""

@@ -1,0 +1,182 @@
+"""Parameters and activation memory of the hybrid model, per layer and per rank: the memory half of
+the model's accounting (model/flops.py is the FLOP half). training/plan.py turns these into the
+per-rank memory of a run; benchmarks/memory.py checks them against a CPU run.
+
+P = parameters, b = micro-batch, s = sequence length, t = tensor parallel, p = pipeline parallel,
+h = hidden; GiB = 2^30 bytes.
+
+Parameters per rank
+    A parameter is *TP-sharded* when it belongs to a megatron tensor-parallel linear or the
+    vocab-parallel embedding, or carries `tensor_model_parallel=True` (the Mamba conv1d, A_log,
+    D, dt_bias and gated-norm weight); it holds numel / t elements per rank. Everything else
+    (the RMSNorm weights before each layer and the final norm) is replicated: numel per rank.
+    Stages split the pattern as megatron's `MambaStack._select_layers_for_pipeline_parallel`
+    (even split, or `parallel.first_stage_layers` / `last_stage_layers`); the embedding lives on
+    the first stage, the final norm and the output layer on the last. P_rank is per stage.
+
+Activations of one micro-batch (BF16, 2 B per element; sp = t with parallel.sequence, else 1)
+    per layer, elements per token; the h-wide terms outside the TP-sharded regions (the norm's
+    input, the first linear's input) are / sp, everything inside / t, as in Korthikanti et al.
+    2022 (arXiv 2205.05198, Table 2: with sequence parallelism every term is / t):
+        mamba     2h / sp (norm in, in_proj in) + [in_proj out (2 d_inner + 2 g N + H: also
+                  the conv's input and the gate z) + conv out (d_inner + 2 g N: the scan's x, B,
+                  C) + scan out (d_inner: the gated norm's input) + out_proj in (d_inner)] / t;
+                  mamba_ssm's gated RMSNorm saves its x and z, not x * silu(z)
+                  (ops/triton/layernorm_gated.py, LayerNormFn.forward)
+        attention 2h / sp (norm in, qkv in) + [qkv out ((n_q + 2 n_kv) d_head)
+                  + context = proj in (n_q d_head)] / t; flash-style kernels keep no s^2 score
+                  matrix (their per-row log-sum-exp is neglected)
+        mlp       2h / sp (norm in, fc1 in) + [fc1 out (f) + activation out (f)] / t
+    + (plan backend emulated) each low-precision linear saves its quantized weight (BF16 values)
+      for Dgrad: 2 B x its weight elements per rank, per micro-batch (nvfp4_recipe/linear.py).
+    last stage: + final-norm input and output-layer input (2h / sp per token); and at the end of
+      the forward the logits, b s V/t x 6 B: the output layer's BF16 logits (2 B) and the FP32
+      copy the vocab-parallel cross entropy turns into its saved softmax (4 B; Megatron-LM counts
+      those 4 B, theoretical_memory_usage.py:368-376 at core_v0.19.0).
+    Recompute (trainer.recompute, model/recompute.py):
+        none       every layer keeps everything above.
+        selective  megatron's core-attention recompute (and on the portable spec the Mamba conv1d
+                   + SSD scan): the kernels this model counts (flash attention, mamba_ssm's fused
+                   scan) keep only their inputs already, so it saves nothing here.
+        full       each stage's layers split as `checkpointed_chunks` (megatron's uniform: chunks
+                   of recompute_layers layers; block: the first recompute_layers layers one by
+                   one, the rest not recomputed); a checkpointed chunk keeps its input only,
+                   s b h / sp x 2 B, and its full activations exist again while its backward runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+GIB = 2**30
+BYTES_ACTIVATION = 2  # BF16 activations
+BYTES_LOGITS = 6  # BF16 logits + the FP32 copy the vocab-parallel cross entropy keeps
+BYTES_EMULATED_WEIGHT_COPY = 2  # the emulated low-precision linear's saved BF16 weight values
+
+
+def pipeline_stages(num_layers: int, pipeline: int, first: Optional[int] = None,
+                    last: Optional[int] = None) -> list[range]:
+    """Layer indices per stage, as megatron-core 0.16's `_select_layers_for_pipeline_parallel`."""
+    if pipeline == 1:
+        return [range(num_layers)]
+    if first is None and last is None:
+        if num_layers % pipeline:
+            raise ValueError(
+                f"the {num_layers}-layer pattern does not split evenly into parallel.pipeline="
+                f"{pipeline} stages: set parallel.first_stage_layers / last_stage_layers")
+        n = num_layers // pipeline
+        return [range(i * n, (i + 1) * n) for i in range(pipeline)]
+    f, l = first or 0, last or 0
+    middle_stages = pipeline - sum(x is not None for x in (first, last))
+    middle = num_layers - f - l
+    if middle < 0 or (middle_stages > 0 and middle % middle_stages) or (middle_stages == 0 and middle):
+        raise ValueError(
+            f"parallel.first_stage_layers={first} / last_stage_layers={last} leave {middle} "
+            f"layers for {middle_stages} middle stage(s): they must divide evenly")
+    per = middle // middle_stages if middle_stages else 0
+    stages, start = [], 0
+    for rank in range(pipeline):
+        if first is not None and rank == 0:
+            n = f
+        elif last is not None and rank == pipeline - 1:
+            n = l
+        else:
+            n = per
+        stages.append(range(start, start + n))
+        start += n
+    return stages
+
+
+# -- parameters ---------------------------------------------------------------------------------
+
+
+def sharded_param_ids(module) -> set[int]:
+    """ids of the TP-sharded parameters of a module (see the module docstring)."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    ids = set()
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            ids.update(id(p) for p in m.parameters(recurse=False))
+        elif isinstance(m, RowParallelLinear):
+            ids.add(id(m.weight))  # a row-parallel bias would be replicated
+    for p in module.parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            ids.add(id(p))
+    return ids
+
+
+def parameter_counts(module, sharded: set[int], tensor: int) -> tuple[int, int]:
+    """(full parameters, parameters per rank) of a module."""
+    full = rank = 0
+    for p in module.parameters():
+        n = p.numel()
+        full += n
+        if id(p) in sharded:
+            if n % tensor:
+                raise ValueError(f"a parameter of {n} elements does not split into "
+                                 f"parallel.tensor={tensor} shards")
+            rank += n // tensor
+        else:
+            rank += n
+    return full, rank
+
+
+def linear_weight_counts(module, sharded: set[int], tensor: int) -> tuple[int, int]:
+    """(full, per rank) weights of the tensor-parallel linears in a module (biases excluded)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    full = rank = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None:
+            full += m.weight.numel()
+            rank += m.weight.numel() // tensor if id(m.weight) in sharded else m.weight.numel()
+    return full, rank
+
+
+# -- activations ----------------------------------------------------------------------------------
+
+
+def activation_elements_per_token(kind: str, m, tensor: int,
+                                  sequence_parallel: bool = False) -> dict[str, float]:
+    """Saved activation elements per token of one layer on one TP rank (module docstring)."""
+    h = m.hidden_size / (tensor if sequence_parallel else 1)  # outside the TP-sharded regions
+    if kind == "mamba":
+        d_inner = m.mamba_num_heads * m.mamba_head_dim
+        gn = 2 * m.mamba_num_groups * m.mamba_state_dim
+        return {"norm_in": h, "in_proj_in": h,
+                "in_proj_out": (2 * d_inner + gn + m.mamba_num_heads) / tensor,
+                "conv_out": (d_inner + gn) / tensor, "scan_out": d_inner / tensor,
+                "out_proj_in": d_inner / tensor}
+    if kind == "attention":
+        d = m.kv_channels
+        return {"norm_in": h, "qkv_in": h,
+                "qkv_out": (m.num_attention_heads + 2 * m.num_query_groups) * d / tensor,
+                "context": m.num_attention_heads * d / tensor}
+    if kind == "mlp":
+        f = m.ffn_hidden_size
+        return {"norm_in": h, "fc1_in": h, "fc1_out": f / tensor, "activation_out": f / tensor}
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def stage_activation_bytes(layer_bytes: list[int], input_bytes: int, recompute) -> dict[str, int]:
+    """One micro-batch on one stage: {"kept": what stays from its forward to its backward,
+    "recompute_peak": the most alive while a checkpointed chunk's backward runs (0 without
+    full recompute)}. `layer_bytes[i]`: layer i's full activations; `input_bytes`: one layer
+    input (what a checkpointed chunk keeps)."""
+    from .recompute import checkpointed_chunks
+
+    kept, peak = 0, 0
+    for start, end, checkpointed in checkpointed_chunks(len(layer_bytes), recompute):
+        full = sum(layer_bytes[start:end])
+        if checkpointed:
+            peak = max(peak, kept + full)  # the chunks after this one are freed by then
+            kept += input_bytes
+        else:
+            kept += full
+    return {"kept": kept, "recompute_peak": peak}
+

@@ -1,0 +1,114 @@
+"""The run-time precision of a built model: what the trainer calls around each optimizer step and
+evaluation, so that the trainer knows nothing about formats.
+
+- `before_step`: the late switch to BF16 once its share of the run's tokens is consumed (flips
+  the `RuntimePrecisionState` every low-precision linear reads per call), the refresh of the
+  quantized-weight caches (te_runtime.refresh_quantized_weights), and the quantization
+  diagnostics switched on when due.
+- `after_step`: the diagnostics switched off and collected, as `quant/<layer>/<role>/<stat>`
+  metrics.
+- `before_evaluation`: the caches refreshed, so evaluation sees the last step's weights.
+
+When to switch and when to measure are pure functions (`switch_due`, `diagnostics_due`). Nothing
+needs checkpointing: the switch is a function of the consumed tokens, decided again at the first
+step after a resume (which records the `switch_to_bf16` event again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nvfp4_recipe.policy import PrecisionConfig, describe_kernels, low_precision_formats
+
+from .te_runtime import modules_with_weight_cache, refresh_quantized_weights
+
+
+def switch_due(precision: PrecisionConfig, consumed_tokens: int, total_tokens: int) -> bool:
+    """Whether the low-precision GEMMs run in BF16 from now on (`precision.switch_to_bf16`)."""
+    at = precision.switch_to_bf16.at_fraction
+    if at is None or precision.format == "bf16":
+        return False
+    return consumed_tokens >= at * total_tokens
+
+
+def diagnostics_due(every: int, step: int) -> bool:
+    """Whether optimizer step `step` (counted from 1) measures the quantization error."""
+    return every > 0 and step % every == 0
+
+
+class PrecisionController:
+    """The precision of one built model (model.build.BuiltModel) as the run goes.
+
+    `step` in the hooks is the number of optimizer steps done before the one they surround (the
+    trainer's counter), as the events of metrics.jsonl number them."""
+
+    def __init__(self, precision: PrecisionConfig, built, tokens_per_step: int,
+                 total_tokens: int):
+        self.precision = precision
+        self.model: torch.nn.Module = built.module
+        self.policy = built.policy
+        self.state = built.runtime_state
+        self.tokens_per_step, self.total_tokens = tokens_per_step, total_tokens
+        self.weight_caches = modules_with_weight_cache(self.model)  # TE's quantized weights
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether any linear runs a low-precision format (what the preflight checks)."""
+        return bool(low_precision_formats(self.precision))
+
+    def describe(self, backend: str, reason: str, device) -> list[str]:
+        """The start-up lines: the backend, the BF16 layers, the quantizers, the precision map."""
+        precision, policy = self.precision, self.policy
+        kernels = describe_kernels(precision, backend, device)
+        lines = [f"precision {precision.name}: {backend} GEMMs ({reason})"
+                 + (f"; first {policy.first} / last {policy.last} pattern layers in BF16"
+                    if precision.format != "bf16" else "")
+                 + (f"; {kernels}" if kernels else "")]
+        if self.quantizes:
+            lines.append(f"precision map (each linear's Fprop/Dgrad/Wgrad; runs of pattern layers "
+                         f"that have the linear): {policy.describe_map()}")
+        return lines
+
+    def before_step(self, step: int) -> list[tuple[str, dict[str, Any]]]:
+        """Set up the next step; returns the events to record at `step` ((name, fields) pairs)."""
+        events = []
+        consumed = step * self.tokens_per_step
+        if self.state.switched_passes is None and switch_due(self.precision, consumed,
+                                                             self.total_tokens):
+            passes = self.precision.switch_to_bf16.passes
+            self.state.switched_passes = passes
+            events.append(("switch_to_bf16", {"passes": passes, "consumed_tokens": consumed}))
+        refresh_quantized_weights(self.weight_caches)
+        # Diagnostics, when due, record each linear's last micro-batch.
+        self.state.collect_diagnostics = diagnostics_due(self.precision.diagnostics_every,
+                                                         step + 1)
+        return events
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """The step's precision metrics ({} unless diagnostics were due)."""
+        if not self.state.collect_diagnostics:
+            return {}
+        self.state.collect_diagnostics = False
+        out = {}
+        for name, module in self.model.named_modules():
+            for role, stats in getattr(module, "diagnostics", {}).items():
+                for stat, value in stats.items():
+                    out[f"quant/{name.removeprefix('decoder.')}/{role}/{stat}"] = float(value)
+            if hasattr(module, "diagnostics"):
+                module.diagnostics = {}
+        return out
+
+    def before_evaluation(self) -> None:
+        refresh_quantized_weights(self.weight_caches)  # the weights the last step produced
+
+
+def diagnostics_summary(diag: dict[str, float]) -> str:
+    """One log line over `after_step`'s metrics."""
+    errors = [v for k, v in diag.items() if k.endswith("/rel_error")]
+    zeros = [v for k, v in diag.items() if k.endswith("/zero_frac")]
+    layers = {k.split("/")[1] for k in diag}
+    return (f"quant: {len(layers)} low-precision linears, relative error mean "
+            f"{sum(errors) / max(len(errors), 1):.4f} max {max(errors, default=0):.4f}, "
+            f"flushed-to-zero mean {sum(zeros) / max(len(zeros), 1):.4f}")

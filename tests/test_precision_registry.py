@@ -1,0 +1,86 @@
+"""The format registry (nvfp4_recipe/registry.py), the precision schema's choice fields, and the
+torch-only boundary of `nvfp4_recipe` (megatron-core lives in `nvfp4_recipe.megatron`)."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from nvfp4_recipe import quantization_error_stats, quantized_linear
+from nvfp4_recipe.policy import PrecisionConfig
+from nvfp4_recipe.registry import FORMAT_SPECS, Format, format_spec, gemm_config_for, spec_of_config
+from train_helpers import REPO, compose_train
+
+
+def test_importing_the_numerics_imports_neither_megatron_nor_te():
+    code = ("import sys, nvfp4_recipe, nvfp4_recipe.policy, nvfp4_recipe.registry, "
+            "nvfp4_recipe.preflight\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformer_engine'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_format_is_registered_once_and_its_config_finds_it_again():
+    assert list(FORMAT_SPECS) == list(Format)
+    cfg = PrecisionConfig(format="nvfp4", rht=False, gemm="exact")
+    for fmt in Format:
+        config = gemm_config_for(fmt, cfg)
+        if fmt == "bf16":
+            assert config is None and format_spec(fmt).ops is None
+            continue
+        assert type(config) is format_spec(fmt).config_type and config.gemm == "exact"
+        assert spec_of_config(config).format == fmt
+    assert gemm_config_for("nvfp4", cfg).rht is False
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "mxfp4"])
+def test_each_format_runs_its_linear_and_its_diagnostics(fmt):
+    config = gemm_config_for(fmt, PrecisionConfig(format=fmt))
+    x, w = torch.randn(4, 128), torch.randn(128, 128)
+    assert quantized_linear(x, w, None, config).shape == (4, 128)
+    stats = quantization_error_stats(w, config, role="weight")
+    assert 0 < stats["rel_error"] < 0.5
+
+
+def test_an_unregistered_config_or_format_is_refused():
+    unknown = SimpleNamespace(quantize_forward=True, quantize_backward=True, gemm="fast")
+    with pytest.raises(ValueError, match="config of type SimpleNamespace is not supported"):
+        quantized_linear(torch.randn(2, 16), torch.randn(16, 16), None, unknown)
+    with pytest.raises(ValueError, match="unknown GEMM format 'fp6': choose one of bf16, nvfp4"):
+        format_spec("fp6")
+
+
+# Every choice field of the precision schema, with its values as YAML and the command line spell them.
+CHOICES = {
+    "precision.format": ["bf16", "nvfp4", "fp8", "mxfp4"],
+    "precision.backend": ["auto", "te", "emulated"],
+    "precision.gemm": ["fast", "exact"],
+    "precision.kernels": ["auto", "eager", "compiled"],
+    "precision.switch_to_bf16.passes": ["forward", "all"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_precision_choice_outside_its_values_is_refused_naming_them(key):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_train(f"{key}=sometimes")
+    text = str(err.value.__cause__)
+    assert f"Invalid value 'sometimes', expected one of [{', '.join(CHOICES[key])}]" in text, text
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_precision_choice_composes_and_keeps_its_spelling(key):
+    """Code compares the values with plain strings, and config.yaml spells them as before."""
+    *path, field = key.split(".")
+    for value in CHOICES[key]:
+        cfg = compose_train(f"{key}={value}")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        assert getattr(node, field) == value and f"{getattr(node, field)}" == value
+        assert f"{field}: {value}\n" in OmegaConf.to_yaml(OmegaConf.structured(cfg))

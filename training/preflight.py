@@ -1,0 +1,105 @@
+"""The preflight of a run: every low-precision GEMM of a TrainConfig at its local shape on one
+tensor-parallel rank, checked against the rules of each backend the run may use
+(nvfp4_recipe/preflight.py holds the rules, each citing its source) and, where TE runs, this
+machine's GPU and TE release against the known-bad table. The trainer runs it at start-up
+(`run_preflight`: a "would fail" stops the run before anything is written, exit 2); the dry run
+(training/plan.py) writes every GEMM's result and the verdict at tensor 1/2/4/8 to plan.json.
+"""
+
+from __future__ import annotations
+
+
+def preflight_backends(precision, model_spec: str) -> tuple[str, ...]:
+    """The GEMM backends a run of this config may use (the dry run checks each): TE where the
+    config lets it (`auto`: TE on Blackwell, the emulation elsewhere), never for MXFP4 (TE has no
+    MXFP4 recipe, so such a run is emulated)."""
+    from nvfp4_recipe.policy import low_precision_formats
+
+    if precision.backend == "emulated" or model_spec == "portable":
+        return ("emulated",)
+    if precision.backend == "te" or model_spec == "te":
+        return ("te",)
+    return ("emulated",) if "mxfp4" in low_precision_formats(precision) else ("te", "emulated")
+
+
+def probe_device(cfg, activation_dtype: str = "bf16"):
+    """This machine's GPU and Transformer Engine release for the known-bad table (None without
+    a GPU). Reads TE's version from its package metadata: nothing is imported."""
+    import importlib.metadata
+
+    import torch
+
+    from nvfp4_recipe.policy import low_precision_formats
+    from nvfp4_recipe.preflight import DeviceSetting
+
+    if not torch.cuda.is_available():
+        return None
+    te_version = None
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            te_version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    p = cfg.precision
+    return DeviceSetting(capability=tuple(torch.cuda.get_device_capability()),
+                         te_version=te_version, formats=tuple(low_precision_formats(p)),
+                         rht=p.rht, stochastic_rounding=p.stochastic_rounding,
+                         activation_dtype=activation_dtype)
+
+
+def preflight(cfg, backends, device=None):
+    """The preflight Report of a TrainConfig (nvfp4_recipe/preflight.py): every low-precision
+    GEMM at parallel.tensor, micro-batch x sequence rows, for each backend in `backends`; the
+    same at each candidate tensor size (which layouts are clean); `device` against the known-bad
+    table where TE is among the backends. Raises ValueError for a bad precision key (an override
+    pattern that matches nothing)."""
+    from nvfp4_recipe.preflight import (CANDIDATE_TENSOR_SIZES, Linear, Report, Setting,
+                                        check_linears, known_bad_hits, layout_verdicts)
+
+    from model.build import precision_policy
+    from model.specs import layout_problems, linear_shapes
+
+    m, par, tr, p = cfg.model, cfg.parallel, cfg.trainer, cfg.precision
+    formats = {n: f for n, f in precision_policy(m, p).linear_formats().items() if f != "bf16"}
+    tokens = tr.micro_batch_size * tr.seq_length
+
+    def checks_at(tensor: int, backend: str):
+        shapes = linear_shapes(m, tensor)
+        linears = [Linear(name, fmt, shapes[suffix]["in"], shapes[suffix]["out"],
+                          shapes[suffix]["parallel"])
+                   for name, fmt in formats.items() for suffix in [name.split(".", 2)[2]]]
+        setting = Setting(backend=backend, tokens=tokens, tensor=tensor,
+                          sequence_parallel=par.sequence, rht=p.rht,
+                          capability=device.capability if device else None,
+                          te_version=device.te_version if device else None)
+        return check_linears(linears, setting)
+
+    report = Report(tensor=par.tensor, tokens=tokens, sequence_parallel=par.sequence,
+                    layout_problems=layout_problems(m, par.tensor))
+    if not report.layout_problems:
+        report.checks = [c for b in backends for c in checks_at(par.tensor, b)]
+    for t in sorted({*CANDIDATE_TENSOR_SIZES, par.tensor}):
+        problems = layout_problems(m, t)
+        if problems:
+            report.layouts[t] = {b: {"verdict": "fail", "linears": {}, "layout": problems}
+                                 for b in backends}
+        else:
+            per_backend = layout_verdicts([c for b in backends for c in checks_at(t, b)])
+            report.layouts[t] = {b: per_backend.get(b, {"verdict": "ok", "linears": {}})
+                                 for b in backends}
+    if device is not None and "te" in backends:
+        cap = device.capability
+        report.device = {"capability": list(cap) if cap else None,
+                         "te_version": device.te_version,
+                         "describe": (f"compute capability {cap[0]}.{cap[1]}" if cap else
+                                      "no GPU") + f", transformer_engine {device.te_version}"}
+        report.device_hits = known_bad_hits(device)
+    return report
+
+
+def run_preflight(cfg, backend: str, activation_dtype: str = "bf16"):
+    """The start-up preflight of a run on `backend` ("te" | "emulated"); the device is probed
+    only for TE. Its `refusal()` stops the run before anything is written (exit 2)."""
+    device = probe_device(cfg, activation_dtype) if backend == "te" else None
+    return preflight(cfg, (backend,), device)
