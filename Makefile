@@ -93,10 +93,10 @@ gpu-wheels: setup  ## download the offline wheelhouse for launch/gpu_check.sh in
 	echo "gpu-wheels: $$W holds $$(ls "$$W" | wc -l) wheels, $$MIB MiB (limit $(GPU_WHEELS_MAX_MIB) MiB)"
 
 ablations: setup
-	$(PY) -m launch.ablations $(ARGS)
+	$(PY) -m studies.ablations $(ARGS)
 
 components: setup  ## the component study on captured tensors -> docs/components/ (~10 min on 2 cores)
-	$(PY) -m launch.components $(ARGS)
+	$(PY) -m studies.components $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -11,7 +11,7 @@
 #   deps        installs what the check imports and the machine lacks: from $WHEELS offline with
 #               --no-deps into $GPU_CHECK_SITE (put first on PYTHONPATH; torch and the rest of the
 #               machine's environment untouched), or without WHEELS from the index, torch pinned
-#   cuda_tests  tests/test_cuda_numerics.py: the NVFP4 emulation on CUDA is bit-exact to CPU
+#   cuda_tests  tests/nvfp4_recipe/test_cuda_numerics.py: the NVFP4 emulation on CUDA is bit-exact to CPU
 #   ssd_triton  mamba_ssm's Triton SSD scan vs the mixer's PyTorch scan, fwd+bwd (launch/ssd_check.py)
 #   demo_bf16   DEMO_STEPS (GPU 30) steps of the demo: BF16 weights, megatron's DDP and distributed
 #               optimizer (DP=1), megatron's schedule (on CUDA), full activation recompute
@@ -313,7 +313,7 @@ DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval
 
 # -- 3. the parts ---------------------------------------------------------------------------------
 # the Triton SSD tests of test_cuda_numerics.py run in their own part (one Triton compile)
-JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$LIMIT_TESTS" "$PYTHON" -m pytest -q -rs tests/test_cuda_numerics.py \
+JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$LIMIT_TESTS" "$PYTHON" -m pytest -q -rs tests/nvfp4_recipe/test_cuda_numerics.py \
     -k "not triton_ssd" --junitxml="$OUT/cuda_tests.xml" -p no:cacheprovider
 part ssd_triton "$LIMIT_SSD" "$PYTHON" -m launch.ssd_check --json "$OUT/ssd_triton.json"
 part demo_bf16 "$LIMIT_DEMO_BF16" "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"

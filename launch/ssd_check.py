@@ -1,7 +1,7 @@
 """mamba_ssm's Triton SSD scan against the PyTorch scan the Mamba mixer falls back to.
 
 `python -m launch.ssd_check [--json PATH] [--autotune]` runs the comparison on CUDA (part
-`ssd_triton` of launch/gpu_check.sh); tests/test_cuda_numerics.py asserts the same numbers.
+`ssd_triton` of launch/gpu_check.sh); tests/nvfp4_recipe/test_cuda_numerics.py asserts the same numbers.
 Exit status: 0 within tolerance, 1 beyond it (or an error), 77 skipped (the reason is printed).
 
 What is compared: ``mamba_chunk_scan_combined`` called exactly as model/mamba_mixer.py calls it
@@ -15,7 +15,7 @@ without asking otherwise (mamba 2.3.2.post1 ops/triton/ssd_chunk_scan.py:118-150
 ssd_bmm.py:78); a few such roundings per term give ~1e-3. BF16 3e-2: the kernels round the
 chunk states and the decayed C.B scores to the input dtype before their dots
 (ssd_chunk_scan.py:117, :148; 2^-9 = 2e-3 each), and y and the gradients are BF16. A wrong
-decay, state hand-over or padding gives errors of order 1 (tests/test_gpu_check.py).
+decay, state hand-over or padding gives errors of order 1 (tests/launch/test_gpu_check.py).
 
 Loading without the CUDA extension. mamba_ssm's package ``__init__`` imports its compiled
 selective-scan extension (mamba 2.3.2.post1 mamba_ssm/__init__.py:3 ->

@@ -3,8 +3,8 @@
 The eager kernels (formats.py, nvfp4.py) run ~10 in-place elementwise ops per chunk, each one a
 pass over memory. Compiled by inductor, the same formulas become one loop per pass: the block amax
 reads x once, and scale / clamp / round / rescale reads x (and the uniforms) once and writes the
-bf16 operand once. They are bit-identical to the eager kernels (tests/test_kernels.py on CPU,
-tests/test_cuda_numerics.py on CUDA): the same FP32 values in the same order, no reassociation
+bf16 operand once. They are bit-identical to the eager kernels (tests/nvfp4_recipe/test_kernels.py on CPU,
+tests/nvfp4_recipe/test_cuda_numerics.py on CUDA): the same FP32 values in the same order, no reassociation
 (inductor's default C++ flags exclude -fassociative-math; do not set
 TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG), every product whose rounding an FMA could change is
 exact, no FP32 division (Triton's `/` is approximate: multiplications by exact reciprocals

@@ -52,7 +52,7 @@ def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> tor
 
     The GEMM's output (bf16 for "fast", FP32 for "exact") times the FP32 scale product is rounded
     once to FP32 and then to out_dtype. On CPU a bf16 output multiplied in place by the 0-d FP32
-    scale computes in FP32 and rounds once (tests/test_nvfp4_linear.py checks it), saving two
+    scale computes in FP32 and rounds once (tests/nvfp4_recipe/test_nvfp4_linear.py checks it), saving two
     casts; CUDA kernels would round that scale to bf16 first, so there the output is cast up.
     """
     out = torch.mm(a.values, b.values.t())
@@ -234,7 +234,7 @@ def transpose_padded(t2d: torch.Tensor, multiple: int, hadamard: torch.Tensor | 
 
     With `hadamard` (the 16x16 RHT matrix H) each run of 16 along T is multiplied by H while its
     block is in cache: the result equals random_hadamard_transform(transpose_padded(t2d, multiple))
-    bit for bit (the same FP32 GEMM per 16-run; tests/test_nvfp4_linear.py checks it).
+    bit for bit (the same FP32 GEMM per 16-run; tests/nvfp4_recipe/test_nvfp4_linear.py checks it).
     """
     with part(WGRAD_TRANSPOSE):
         return _transpose_padded(t2d, multiple, hadamard)

@@ -5,6 +5,7 @@ can form among them.
     model                           <- compat, nvfp4_recipe
     training                        <- model, data, compat, nvfp4_recipe
     launch, benchmarks              <- training and everything below it
+    studies                         <- benchmarks and everything below it
 
 Every import statement of every module counts, also those inside functions: a deferred import
 still makes the importing package depend on the imported one.
@@ -25,6 +26,7 @@ BELOW = {
     "training": {"model", "data", "compat", "nvfp4_recipe"},
     "launch": {"training", "model", "data", "compat", "nvfp4_recipe"},
     "benchmarks": {"training", "model", "data", "compat", "nvfp4_recipe"},
+    "studies": {"benchmarks", "training", "model", "data", "compat", "nvfp4_recipe"},
 }
 # Modules allowed to reach up a layer, with the reason; none today (the Hugging Face export, which
 # reads a run's checkpoint, lives in training/hf_export.py, model/hf.py only maps the weights).

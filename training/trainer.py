@@ -107,7 +107,9 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, stop: Optional[StopSignal] = None):
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, stop: Optional[StopSignal] = None,
+                 preflight=None):
+        """`preflight`: run()'s run_preflight result, so start-up checks the GEMMs once."""
         self.cfg, self.ctx = cfg, ctx
         self.stop = stop or StopSignal()
         tr = cfg.trainer
@@ -158,7 +160,7 @@ class Trainer:
         for line in self.precision.describe(backend, reason, ctx.device):
             log.info(line)
         if self.precision.quantizes:
-            for line in run_preflight(cfg, backend).summary():
+            for line in (preflight or run_preflight(cfg, backend)).summary():
                 log.info(line)
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
@@ -485,12 +487,13 @@ def run(cfg) -> int:
         if backend == "te":
             switch = cfg.precision.switch_to_bf16
             check_te_switch(switch.passes, switch.at_fraction)
-        refusal = run_preflight(cfg, backend).refusal()  # also: an override matching nothing
+        preflight = run_preflight(cfg, backend)
+        refusal = preflight.refusal()  # also: an override matching nothing
         if refusal:
             raise ValueError(refusal)
         run_dir = prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
-        return Trainer(cfg, ctx, stop).fit()
+        return Trainer(cfg, ctx, stop, preflight).fit()
     except TrainingError as exc:
         log.error(f"error: {exc}")
         return exc.code

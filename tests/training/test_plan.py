@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-_TESTS = os.path.dirname(os.path.abspath(__file__))
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ROOT = os.path.dirname(_TESTS)
 for _p in (_ROOT, _TESTS):
     if _p not in sys.path:  # the repo is not installed into the venv

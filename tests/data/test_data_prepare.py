@@ -198,7 +198,7 @@ def test_sigkill_mid_way_then_a_rerun_leaves_no_temporaries(tmp_path, tiny_token
     args = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
             "--no-progress", "--batch-bytes", "20000"]
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", *args],
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     deadline = time.time() + 120
     while not [p for p in os.listdir(tmp_path) if ".tmp-" in p]:
         assert proc.poll() is None and time.time() < deadline, "no temporary appeared"

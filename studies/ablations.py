@@ -1,8 +1,8 @@
 """The precision ablation study: train the demo model under every precision recipe, then report.
 
-    python -m launch.ablations --jobs 2                # the study (resumable), then the report
-    python -m launch.ablations --seeds 1 2 3 --steps 80 --jobs 2   # other seeds / length
-    python -m launch.ablations --report-only           # rebuild docs/ablations/ from existing runs
+    python -m studies.ablations --jobs 2                # the study (resumable), then the report
+    python -m studies.ablations --seeds 1 2 3 --steps 80 --jobs 2   # other seeds / length
+    python -m studies.ablations --report-only           # rebuild docs/ablations/ from existing runs
 
 Every run is `train.py experiment=ablations precision=<config> trainer.seed=<seed>`, one per
 precision recipe in recipes/precision/ (`--steps` sets trainer.max_steps), so all configs of one
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from benchmarks.machine import cpu_model
 from training import metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def run_study(args) -> int:
     study = json.loads(study_file.read_text()) if study_file.exists() else {}
     study.setdefault("sessions", []).append(
         {"started": datetime.now(timezone.utc).isoformat(),
-         "command": shlex.join(["python", "-m", "launch.ablations", *sys.argv[1:]]),
+         "command": shlex.join(["python", "-m", "studies.ablations", *sys.argv[1:]]),
          "jobs": args.jobs, "threads_per_job": threads})
     study.update(steps=args.steps, overrides=STUDY_OVERRIDES, plan=[f"{c}-s{s}" for c, s in plan])
     study_file.write_text(json.dumps(study, indent=1))
@@ -447,14 +448,7 @@ def plot(runs: dict, out: Path, key: str, filename: str, title: str, noise_pct: 
 def machine() -> dict:
     import torch
 
-    model = platform.processor() or "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
 
 
@@ -476,7 +470,6 @@ def write_report(runs_dir: Path, out: Path) -> dict:
     orderings = check_orderings(runs, summary, threshold_noise)
     study_file = runs_dir / "study.json"
     study = json.loads(study_file.read_text()) if study_file.exists() else {}
-    steps = study.get("steps")
     run_walls = [r["wall_s"] for c in runs.values() for r in c.values() if r["wall_s"]]
     sessions = study.get("sessions", [])
     session_wall = sum(s.get("wall_s", 0) for s in sessions)
@@ -587,12 +580,12 @@ def render_readme(res: dict, out: Path) -> str:
     L.append("```bash")
     for sess in res["sessions"]:
         cmd = sess.get("command", "")
-        L.append("python -m launch.ablations" + cmd.split("launch/ablations.py", 1)[1]
-                 if "launch/ablations.py" in cmd else cmd)
-    L.append("python -m launch.ablations --report-only   # this report, from runs/ablations/")
+        L.append("python -m studies.ablations" + cmd.split("studies/ablations.py", 1)[1]
+                 if "studies/ablations.py" in cmd else cmd)
+    L.append("python -m studies.ablations --report-only   # this report, from runs/ablations/")
     L.append("```\n")
     L.append("The same study in one command (the defaults: `--steps 80 --seeds 1 2`, plus seed 3 "
-             "for `bf16` and `nvfp4`): `python -m launch.ablations --jobs 2` (or `make ablations "
+             "for `bf16` and `nvfp4`): `python -m studies.ablations --jobs 2` (or `make ablations "
              "ARGS=\"--jobs 2\"`). Finished runs are skipped, interrupted ones resume from their "
              "last checkpoint (Ctrl-C asks the running ones to checkpoint first).\n")
     L.append("Each run is `python train.py precision=<config> trainer.seed=<seed> run.dir=runs/ablations/<config>-s<seed> "
@@ -611,7 +604,7 @@ def render_readme(res: dict, out: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.ablations", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.ablations", description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds for every config")
     ap.add_argument("--noise-seeds", type=int, nargs="*", default=[3],
                     help="extra seeds for --noise-configs only (measures seed noise)")

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # the repo is not installed into the venv
+# The spawned TP workers import this module again: the repository and tests/ must be on their path.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(_TESTS)
+if _ROOT not in sys.path:  # the application runs from its checkout
     sys.path.insert(0, _ROOT)
-_TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 

@@ -179,7 +179,7 @@ def test_quantized_linear_rejects_bad_dimensions_and_configs():
         nvfp4_linear(torch.zeros(4, 40), torch.zeros(16, 40))
     with pytest.raises(ValueError, match="N \\(out_features\\) = 100"):
         quantized_linear(torch.zeros(4, 128), torch.zeros(100, 128), config=MXFP4Config())
-    # FP8 zero-pads partial 128-blocks instead (tests/test_fp8_partial_blocks.py)
+    # FP8 zero-pads partial 128-blocks instead (tests/nvfp4_recipe/test_fp8_partial_blocks.py)
     assert quantized_linear(torch.zeros(4, 128), torch.zeros(100, 128),
                             config=FP8BlockConfig()).shape == (4, 100)
     with pytest.raises(ValueError, match="do not match"):

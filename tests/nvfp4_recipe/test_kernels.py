@@ -1,7 +1,7 @@
 """The torch.compile'd quantization kernels against the eager ones: the same bits, always.
 
 The eager kernels are checked against the independent per-block reference elsewhere
-(tests/test_quant_reference.py), so bit equality here carries that over to the compiled path.
+(tests/nvfp4_recipe/test_quant_reference.py), so bit equality here carries that over to the compiled path.
 Shapes are small; each dtype / rounding variant compiles once per process (a few seconds).
 """
 

@@ -1,9 +1,9 @@
 """Golden losses: the per-step training losses of a short deterministic run, kept in tests/golden/.
 
-    python -m launch.golden                 # show what is stored (changes nothing)
-    python -m launch.golden --regenerate    # re-run and rewrite tests/golden/{bf16,nvfp4}.json
+    python -m studies.golden                 # show what is stored (changes nothing)
+    python -m studies.golden --regenerate    # re-run and rewrite tests/golden/{bf16,nvfp4}.json
 
-tests/test_golden.py re-runs the same command and compares. Regenerate only on purpose (a change
+tests/training/test_golden.py re-runs the same command and compares. Regenerate only on purpose (a change
 that is meant to change the numerics), and say why in the commit.
 
 Determinism: one torch thread (OMP_NUM_THREADS=1), so the summation order of the CPU kernels does
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from benchmarks.machine import cpu_model
 from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,13 +62,7 @@ def corpus_key() -> str:
 
 
 def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name:"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
 
 
 def losses_of(run_dir: Path) -> list[float]:
@@ -105,8 +100,8 @@ def regenerate() -> None:
                 "tokenizers": tokenizers.__version__, "corpus_key": key,
                 "machine": machine(), "generated": datetime.now(timezone.utc).isoformat(),
                 "tolerance_other_builds": TOLERANCE[p], "tolerance_basis": TOLERANCE_BASIS[p],
-                "note": "regenerate with `python -m launch.golden --regenerate`; compared by "
-                        "tests/test_golden.py: exactly when torch, cpu_capability and corpus_key "
+                "note": "regenerate with `python -m studies.golden --regenerate`; compared by "
+                        "tests/training/test_golden.py: exactly when torch, cpu_capability and corpus_key "
                         "match, else within tolerance_other_builds (absolute, per step)",
             }
             (GOLDEN_DIR / f"{p}.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -115,7 +110,7 @@ def regenerate() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.golden", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.golden", description=__doc__.split("\n")[0])
     ap.add_argument("--regenerate", action="store_true",
                     help="re-run and overwrite tests/golden/*.json (on purpose only)")
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 """The component study: what each part of the NVFP4 recipe fixes, measured on the demo model's own
 tensors instead of through loss curves.
 
-    python -m launch.components                        # train, capture, measure, docs/components/
-    python -m launch.components --steps 60 --batches 2 --out /tmp/components   # a quicker look
+    python -m studies.components                        # train, capture, measure, docs/components/
+    python -m studies.components --steps 60 --batches 2 --out /tmp/components   # a quicker look
 
 The ablation study (docs/ablations/) trains 81,920 tokens per recipe: too few for the effects RHT,
 stochastic rounding and 2D weight scaling address to show in the loss. Here one BF16 run of the
@@ -11,8 +11,8 @@ three points; at each, the next `--batches` training steps are captured: every l
 x, weight W and output gradient dY, exactly as megatron's linear hands them to its GEMM. On them,
 with this project's quantizers (nvfp4_recipe; the GEMMs composed from the public quantizers as
 nvfp4_recipe/linear.py composes them, checked bit for bit against `quantized_linear` by
-tests/test_components.py, and the quantizers against the independent per-block reference of
-tests/test_quant_reference.py on captured slices):
+tests/studies/test_components.py, and the quantizers against the independent per-block reference of
+tests/nvfp4_recipe/test_quant_reference.py on captured slices):
 
   RHT         relative error of the quantized Wgrad dY^T X against FP32, with and without the
               16-point RHT, per linear kind, and the kurtosis of the operands along T.
@@ -45,7 +45,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine import cpu_model
 from nvfp4_recipe.hadamard import rht_matrix
 from nvfp4_recipe.linear import GemmOperand, emulated_gemm, transpose_padded
 from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values
@@ -62,7 +62,7 @@ from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The ablation study's shapes (launch/ablations.py STUDY_OVERRIDES: 8 sequences x 128 tokens per
+# The ablation study's shapes (studies/ablations.py STUDY_OVERRIDES: 8 sequences x 128 tokens per
 # step, one micro-batch, so every GEMM sees T = 1,024 tokens), with a constant LR after warm-up
 # (decay_fraction=0): the captured states are mid-pretraining ones, not annealed ones, and the
 # optimizer-step experiment runs at the peak LR.
@@ -396,8 +396,8 @@ def rel_norm(err: torch.Tensor, ref: torch.Tensor) -> float:
 
 # -- the independent reference on captured slices -----------------------------------------------
 def load_reference():
-    """tests/test_quant_reference.py (per-element Python loops written from the spec), or None."""
-    path = REPO / "tests" / "test_quant_reference.py"
+    """tests/nvfp4_recipe/test_quant_reference.py (per-element Python loops written from the spec), or None."""
+    path = REPO / "tests" / "nvfp4_recipe" / "test_quant_reference.py"
     if not path.exists():
         return None
     spec = importlib.util.spec_from_file_location("_quant_reference", path)
@@ -672,14 +672,7 @@ def sr_steps(trainer, modules, model_cfg, batches: list[list[dict]], seeds: list
 
 # -- the study ----------------------------------------------------------------------------------
 def machine() -> dict:
-    model = platform.processor() or "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "torch_threads": torch.get_num_threads()}
 
 
@@ -811,7 +804,7 @@ def run_study(args) -> dict:
                          "model_batches_per_point": args.model_batches, "points": points,
                          "sr_steps": args.sr_steps, "sr_seeds": args.sr_seeds, "seed": args.seed,
                          "overrides": overrides[:-1]}
-    results["command"] = shlex.join(["python", "-m", "launch.components", *args.argv])
+    results["command"] = shlex.join(["python", "-m", "studies.components", *args.argv])
     results["machine"] = machine()
     results["generated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     log(f"study done in {results['wall_s'] / 60:.1f} min", t0)
@@ -1431,10 +1424,10 @@ def render_readme(res: dict, s: dict) -> str:
         worst = max(r["max_abs_diff"] for r in checks)
         L.append(f"Quantizer check: {len(checks)} cases (captured 32x64 slices of x, W and dY of "
                  f"two linears per capture point, NVFP4 1x16 and 16x16, MXFP4 1x32) against the "
-                 f"independent per-element reference of tests/test_quant_reference.py: max "
+                 f"independent per-element reference of tests/nvfp4_recipe/test_quant_reference.py: max "
                  f"|difference| {worst:g}" + (" (bit-identical)." if worst == 0 else ".") + "\n")
     else:
-        L.append("Quantizer check: tests/test_quant_reference.py not found; not checked.\n")
+        L.append("Quantizer check: tests/nvfp4_recipe/test_quant_reference.py not found; not checked.\n")
     ph = res["phases"]
     L.append(f"Machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}, Python "
              f"{mach['python']}. Wall time {res['wall_s'] / 60:.1f} min (training "
@@ -1605,7 +1598,7 @@ def write_report(results: dict, out: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.components",
+    ap = argparse.ArgumentParser(prog="python -m studies.components",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="BF16 training steps")
     ap.add_argument("--batches", type=int, default=6,

@@ -6,11 +6,11 @@ the run uses one torch thread and fixed seeds, so nothing else may change a loss
 torch version or kernel level the CPU kernels (BLAS, vectorized reductions) may sum in another
 order, and training amplifies those last-bit differences — under NVFP4 a value crossing a
 rounding threshold changes a whole 4-bit element — so the comparison falls back to the file's
-absolute per-step tolerance (launch/golden.py: TOLERANCE, ~10x the change measured between 1- and
+absolute per-step tolerance (studies/golden.py: TOLERANCE, ~10x the change measured between 1- and
 2-thread runs of one build: 1.7e-4 bf16, 2.7e-3 nvfp4). A different corpus
 (another Python's standard library) trains on other tokens: nothing to compare, the test skips.
 
-Regenerate on purpose only: `python -m launch.golden --regenerate`.
+Regenerate on purpose only: `python -m studies.golden --regenerate`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from launch import golden
+from studies import golden
 from tests.train_helpers import run_train, step_losses
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_golden_losses(precision, golden_runs):
     key, refs, root, results = golden_runs
     ref = refs[precision]
     assert ref["overrides"] == golden.overrides(precision), (
-        "launch/golden.py's command changed: regenerate with `python -m launch.golden --regenerate`")
+        "studies/golden.py's command changed: regenerate with `python -m studies.golden --regenerate`")
     if ref["corpus_key"] != key:
         pytest.skip(f"demo corpus {key} differs from the golden run's {ref['corpus_key']} "
                     "(another Python standard library or tokenizers version): other tokens")
@@ -64,7 +64,7 @@ def test_golden_losses(precision, golden_runs):
             f"same torch {torch.__version__} but different losses (first differing step "
             f"{next(i + 1 for i, (a, b) in enumerate(zip(losses, ref['losses'])) if a != b)}):\n"
             f"got    {losses}\ngolden {ref['losses']}\nif the change is intended: "
-            "python -m launch.golden --regenerate")
+            "python -m studies.golden --regenerate")
     else:
         tol = ref["tolerance_other_builds"]
         worst = max(abs(a - b) for a, b in zip(losses, ref["losses"]))

@@ -1,6 +1,6 @@
 """The pieces of the offline GPU check that can be proven on CPU: the Triton-SSD comparison's
 loader and its verdicts (launch/ssd_check.py), and the offline install of launch/gpu_check.sh.
-The script's whole CPU mode runs in tests/test_bench.py."""
+The script's whole CPU mode runs in tests/benchmarks/test_bench.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from launch import ssd_check
 from model.ssd import ssd_chunk_scan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ssd_check.Case("small", 2, 100, 4, 16, 2, 16, 32)  # 100 = 3 x 32 + 4: a partial chunk
 
 

@@ -1,4 +1,4 @@
-"""The component study (launch/components.py, issue 18).
+"""The component study (studies/components.py, issue 18).
 
 Its GEMMs are the recipe's (bit for bit against `quantized_linear`), its quantizers agree with the
 independent reference on captured tensors, its capture records what the GEMMs saw, and on small
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import components as C
+from studies import components as C
 from nvfp4_recipe import MXFP4Config, NVFP4Config, quantized_linear
 from train_helpers import REPO
 
@@ -219,7 +219,7 @@ def test_recipe_maps_and_one_layer_quantized_alone(demo):
 def test_the_command_writes_the_report(tmp_path, data_cache):
     out = tmp_path / "components"
     env = {**os.environ, "NVFP4_CACHE": str(data_cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "launch.components", "--steps", "12", "--batches", "1",
+    cmd = [sys.executable, "-m", "studies.components", "--steps", "12", "--batches", "1",
            "--model-batches", "1", "--sr-steps", "1", "--sr-seeds", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -238,6 +238,6 @@ def test_the_command_writes_the_report(tmp_path, data_cache):
     # forward-only ingredients: RHT and SR act on the backward, so the loss is the recipe's
     assert variants["nvfp4_no_rht"]["dloss"]["mean"] == variants["nvfp4"]["dloss"]["mean"]
     # the report rebuilds from results.json alone
-    subprocess.run([sys.executable, "-m", "launch.components", "--report-only", "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "studies.components", "--report-only", "--out", str(out)],
                    cwd=REPO, env=env, check=True, capture_output=True)
     assert (out / "README.md").read_text() == readme

@@ -22,7 +22,7 @@ import pytest
 import data.prepare as prep
 from data.indexed import open_indexed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "launch" / "prepare.sbatch"
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega").split()

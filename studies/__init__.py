@@ -1,0 +1,8 @@
+"""Studies: train the model on fixed configurations and report what the numbers say.
+
+    python -m studies.ablations    the precision ablation (every recipe in recipes/precision/)
+    python -m studies.components   each recipe component measured on the model's own tensors
+    python -m studies.golden       the golden losses tests/training/test_golden.py compares against
+
+They use training/ (and benchmarks/ for the description of the machine); nothing imports them.
+"""
