@@ -1,13 +1,16 @@
-"""Every difference between megatron-core releases, and every CUDA assumption we work around.
+"""Every difference between megatron-core releases, and every CUDA assumption we patch around.
 
 A top-level module below model/, training/ and benchmarks/, which all use it; it imports
-nothing of this project.
+nothing of this project. Where a whole megatron component assumes CUDA, its CPU twin lives beside
+its user instead: model/attention.py (core attention), training/mixed_precision.py (DDP and
+optimizer), training/pipeline.py (the schedules).
 
 One module, each item named (see tests/test_compat.py, which fails if upstream changes):
 1. `hybrid_model_class`: `MambaModel` (<= 0.17) became `HybridModel` (>= 0.18: first tagged in
-   core_v0.18.0, commit 15e07a2). `hybrid_override_pattern` became `hybrid_layer_pattern`, and
-   the stack gets `layer_type_list`/`pp_layer_offset`, already in 0.17 (core_v0.17.1
-   models/mamba/mamba_model.py:91-94, ssm/mamba_block.py:79-80).
+   core_v0.18.0, commit 15e07a2). `hybrid_override_pattern` became `hybrid_layer_pattern`
+   (`hybrid_model_kwargs` picks the keywords), and the stack gets `layer_type_list`/
+   `pp_layer_offset`, already in 0.17 (core_v0.17.1 models/mamba/mamba_model.py:91-94,
+   ssm/mamba_block.py:79-80).
 2. `base_stack_class`: the stack we extend (`ssm.mamba_block.MambaStack` (<= 0.17) ->
    `models.hybrid.hybrid_block.HybridStack` (>= 0.18)); releases >= 0.17 pass the stage's layer
    list and offset to the stack, older ones let it slice the pattern itself (model/stack.py

@@ -8,6 +8,7 @@
     data_loader   the data loader's throughput and the blend state's memory
     data_prepare  the tokenizing throughput of `python -m data.prepare`
 
-Shared by all of them: machine.py (what the machine is and how loaded it was while a bench ran)
-and timing.py (interleaved medians, section timers, Markdown tables).
+Shared: machine.py (what the machine is and how loaded it was while a bench ran; every bench but
+data_loader reports it, and the studies name the CPU with it) and timing.py (interleaved medians,
+section timers, Markdown tables; hardware and numerics).
 """

@@ -1,0 +1,9 @@
+"""Launchers and the GPU check: shell scripts, run from the repository root, and one module.
+
+- torchrun.sh: train.py under torchrun, on one node or many; slurm.sbatch: one torchrun.sh per
+  node of a Slurm job, preemption-safe (checkpoint, exit 75, requeue). See docs/cluster.md.
+- prepare.sbatch: the tokenizing array job, one `python -m data.prepare --shard I/N` per task.
+- gpu_check.sh (`make gpu-check`): the one prepared GPU check (CUDA tests, the Triton SSD check,
+  demo runs, the hardware bench) -> runs/gpu_check/; ssd_check.py (`python -m launch.ssd_check`)
+  is its Triton SSD part.
+"""

@@ -1,0 +1,17 @@
+"""The hybrid Mamba-Transformer on megatron-core, and its parameter, memory and FLOP counts.
+
+- config: `ModelConfig`, the Hydra group `model/` (its pattern: `M` Mamba-2, `*` attention,
+  `-` MLP).
+- build: the model from its config and the precision policy; backend: which layer spec and GEMM
+  backend a run uses, and why.
+- specs, stack: one layer spec per pattern layer (portable or Transformer Engine) and the stack
+  that takes them; attention, mamba_mixer, ssd: the portable spec's SDPA core attention, PyTorch
+  Mamba-2 mixer and chunked SSD scan; te_mamba_mixer: megatron's mixer for the TE spec;
+  recompute: activation recompute.
+- memory, flops: parameters and activation memory, and FLOPs per token (the dry-run planner,
+  training/plan.py, and the benches use them).
+- hf: the config and weights mapped to and from transformers' NemotronH (the export command is
+  training/hf_export.py).
+
+Uses `nvfp4_recipe` (each linear's precision) and `compat`; knows nothing of data or training.
+"""

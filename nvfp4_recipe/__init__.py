@@ -1,7 +1,10 @@
 """NVFP4 pretraining numerics: quantizers (NVFP4, MXFP4, FP8 block), the 16-point RHT, stochastic
 rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas; the
 format registry (registry.py: each format's config, emulated ops, TE recipe, device rules) and
-the precision policy (policy.py: the `precision` config and each linear's format).
+the precision policy (policy.py: the `precision` config and each linear's format). Also the
+rules of the GEMM preflight (preflight.py: which shapes each backend takes; training/preflight.py
+applies them), the fused kernels (kernels.py), quantization diagnostics (diagnostics.py) and the
+per-part step timers (parts.py).
 
 Depends on torch only. The subpackage `nvfp4_recipe.megatron` applies all this to megatron-core
 models and Transformer Engine layers; importing `nvfp4_recipe` does not import it.

@@ -4,5 +4,6 @@
     python -m studies.components   each recipe component measured on the model's own tensors
     python -m studies.golden       the golden losses tests/training/test_golden.py compares against
 
-They use training/ (and benchmarks/ for the description of the machine); nothing imports them.
+They use training/ and the packages below it (and benchmarks/ for the machine's CPU); no
+package imports them, only tests do.
 """

@@ -1,4 +1,14 @@
-"""The training loop and its parts (config, optimizer, checkpoints, metrics, distributed)."""
+"""The training loop and its parts; the dry-run planner, the GEMM preflight, the HF export.
+
+- trainer (the loop, `train.py`'s `run`), config (the Hydra schema and `validate`), pipeline
+  (forward and backward over a step's micro-batches), mixed_precision (BF16 weights, FP32 grads and
+  master weights, data parallelism), optim (the WSD schedule), distributed, grad_health, metrics.
+- checkpoint, safe_load (atomic, verified checkpoints, loaded without running code from them),
+  run_dir (one trainer per run directory).
+- plan (the dry run: memory, FLOPs and time per rank), preflight (every low-precision GEMM checked
+  against its backend's rules, at start-up and in the dry run).
+- hf_export (`python -m training.hf_export`: a run to a transformers directory).
+"""
 
 import warnings
 

@@ -1,11 +1,10 @@
-"""The warmup-stable-decay schedule, and plain AdamW for the memory planner's FP32 measurement.
+"""The warmup-stable-decay learning-rate schedule.
 
-Training builds its optimizer in `training.mixed_precision` (FP32 master weights of BF16 models).
+The optimizer itself (FP32 master weights of BF16 models) is built in `training.mixed_precision`,
+by the trainer and by the memory bench (benchmarks/memory.py).
 """
 
 from __future__ import annotations
-
-import torch
 
 from .config import TrainerConfig
 
@@ -50,23 +49,3 @@ class WSDScheduler:
     def load_state_dict(self, state: dict) -> None:
         self.last_step = int(state["last_step"])
         self._apply()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig):
-    """Plain AdamW over the model's own parameters (the planner's FP32 measurement), no weight
-    decay on norms, biases and the 1-D Mamba parameters."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if param.ndim < 2 else decay).append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-        foreach=True,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: wsd_lr_factor(step, cfg)
-    )
-    return optimizer, scheduler
