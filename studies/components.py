@@ -1019,6 +1019,12 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
                    else None)
 
     files = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
     # RHT: error per kind, and the reduction against the kurtosis of dY along T
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8))
     xs = range(len(KINDS))
@@ -1044,10 +1050,7 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
     a2.set_ylabel("Wgrad error reduction by RHT (%, nearest)")
     a2.set_title("RHT gain vs heavy tails (one point per linear and batch)")
     a2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "rht.png", dpi=110)
-    plt.close(fig)
-    files.append("rht.png")
+    save(fig, "rht.png")
 
     # SR: accumulated bias vs N, repeated draws, optimizer steps
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.8))
@@ -1096,10 +1099,7 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
         a3.set_ylabel("update error vs BF16 (%)")
         a3.set_title(f"{results['sr_steps']['steps']} optimizer steps from one state")
         a3.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "sr.png", dpi=110)
-    plt.close(fig)
-    files.append("sr.png")
+    save(fig, "sr.png")
 
     # 2D weights
     def weight2d_bars(ax, bars):  # four bars per layer kind, one per (metric, label, color)
@@ -1127,10 +1127,7 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
     a2.set_ylabel("relative error of dX (%)")
     a2.set_title("Dgrad output: 1x16 vs 16x16 weights (same dY draws)")
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "weight2d.png", dpi=110)
-    plt.close(fig)
-    files.append("weight2d.png")
+    save(fig, "weight2d.png")
 
     # layers
     fig, (a1, a3, a2) = plt.subplots(1, 3, figsize=(18, 4.8))
@@ -1162,10 +1159,7 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
     a2.set_ylabel("relative error of the layer's GEMM outputs (%)")
     a2.set_title("Per-layer quantization error (NVFP4 recipe)")
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "layers.png", dpi=110)
-    plt.close(fig)
-    files.append("layers.png")
+    save(fig, "layers.png")
 
     # formats
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -1180,10 +1174,7 @@ def plots(results: dict, s: dict, out: Path) -> list[str]:
     ax.set_ylabel("relative error (%)")
     ax.set_title("NVFP4 vs MXFP4: operands (nearest) and the recipes' GEMM outputs")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "formats.png", dpi=110)
-    plt.close(fig)
-    files.append("formats.png")
+    save(fig, "formats.png")
     return files
 
 
