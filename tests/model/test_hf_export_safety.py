@@ -1,0 +1,115 @@
+"""What `python -m training.hf_export` may never do: delete the run it exports or a user's files
+(issue 30), and the one-line errors of its refusals.
+
+Fast: a run directory made here (config.yaml, checkpoints, metrics) whose checkpoint reader is
+replaced by a small random model's tensors, so `main()` runs end to end in this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
+
+from model import hf  # noqa: E402
+from model.build import build_model  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
+from training import hf_export  # noqa: E402
+
+TINY = ModelConfig(pattern="M-*", hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, mamba_num_heads=8, mamba_head_dim=16,
+                   mamba_state_dim=16, mamba_num_groups=2, mamba_chunk_size=16, vocab_size=300,
+                   spec="portable")
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(parallel_context):
+    from transformers import NemotronHForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+    # (imported here: their import-time warnings are not the tests' stderr)
+    torch.manual_seed(0)
+    model = build_model(TINY, PrecisionConfig(), vocab_size=TINY.vocab_size, backend="emulated",
+                        params_dtype=torch.bfloat16).module
+    return {k: v.clone() for k, v in hf.model_full_tensors(model).items()}
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, tiny_tokenizer, tiny_weights) -> Path:
+    """tmp_path/runs/run: a finished run's files (what the export must never touch), beside a
+    sibling run; the checkpoint reader returns `tiny_weights`."""
+    run = tmp_path / "runs" / "run"
+    for step in (2, 4):
+        ckpt = run / "checkpoints" / f"step_{step:07d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "manifest.json").write_text(json.dumps({"step": step}))
+    config = {"model": {k: (str(v) if k == "spec" else v)
+                        for k, v in dataclasses.asdict(TINY).items()},
+              "data": {"tokenizer": tiny_tokenizer}}
+    (run / "config.yaml").write_text(json.dumps(config))  # YAML is a superset of JSON
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (tmp_path / "runs" / "sibling").mkdir()
+    (tmp_path / "runs" / "sibling" / "config.yaml").write_text("model: {}\n")
+    monkeypatch.setattr(hf_export, "pick_checkpoint",
+                        lambda run_dir, step: run_dir / "checkpoints" / "step_0000004")
+    monkeypatch.setattr(hf_export, "read_checkpoint_weights", lambda checkpoint: tiny_weights)
+    return run
+
+
+def files_under(root: Path) -> dict:
+    """{relative path: bytes} of every file (and empty directory) under root."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(root))] = p.read_bytes()
+        elif p.is_dir() and not any(p.iterdir()):
+            out[str(p.relative_to(root))] = None
+    return out
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 1")
+@pytest.mark.parametrize("where", ["the_run", "its_parent", "inside_it"])
+def test_overwrite_never_replaces_the_run_or_a_directory_holding_it(run, tmp_path, capsys,
+                                                                      where):
+    output = {"the_run": run, "its_parent": run.parent, "inside_it": run / "hf"}[where]
+    before = files_under(tmp_path)
+    assert hf_export.main([str(run), "--output", str(output), "--overwrite"]) == 2
+    line = one_error_line(capsys)
+    assert f"--output {output}" in line and str(run) in line
+    assert files_under(tmp_path) == before  # the run, its sibling: not a byte changed, nothing added
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 1")
+def test_overwrite_replaces_only_a_previous_export(run, tmp_path, capsys):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("precious")
+    before = files_under(tmp_path)
+    assert hf_export.main([str(run), "--output", str(notes), "--overwrite"]) == 2
+    assert "not an export" in one_error_line(capsys)
+    assert files_under(tmp_path) == before
+
+    out = tmp_path / "hf"
+    assert hf_export.main([str(run), "--output", str(out)]) == 0
+    assert (out / hf.EXPORT_MARKER).is_file() and (out / "model.safetensors").is_file()
+    first = files_under(out)
+    capsys.readouterr()
+    assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 0  # an export: replaced
+    assert files_under(out).keys() == first.keys()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+    (out / "README.md").write_text("my model card")  # a file the export did not write
+    before = files_under(tmp_path)
+    assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 2
+    assert "README.md" in one_error_line(capsys)
+    assert files_under(tmp_path) == before
