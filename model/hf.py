@@ -73,8 +73,14 @@ DT_MAX, DT_INIT_FLOOR = 0.1, 1e-4
 _MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 # Weight files that are pickles: never opened.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Exit codes (the trainer's, README "Exit codes"): 2 bad value, 3 missing file, 6 bad checkpoint.
-EXIT_CONFIG, EXIT_MISSING, EXIT_NO_CHECKPOINT = 2, 3, 6
+# Exit codes (the trainer's, README "Exit codes"): 2 bad value, 3 missing file, 6 bad checkpoint,
+# 8 the output cannot be written.
+EXIT_CONFIG, EXIT_MISSING, EXIT_NO_CHECKPOINT, EXIT_UNWRITABLE = 2, 3, 6, 8
+# Every export writes this file, listing the files it wrote. `--overwrite` replaces only a
+# directory that holds it and nothing else: never a run, a user's directory, or a file a user
+# added to an export (a model card).
+EXPORT_MARKER = "nvfp4_export.json"
+EXPORT_FORMAT = "nvfp4-pretrain hf_export"
 
 HF_EXTRA_HINT = "install the Hugging Face extra: pip install -e '.[hf]'"
 
@@ -532,12 +538,38 @@ def load_hf_weights(module: torch.nn.Module, cfg: ModelConfig, vocab_size: int,
 # -- export ------------------------------------------------------------------------------------
 
 
+def not_replaceable(directory: Path) -> Optional[str]:
+    """Why `directory` (existing, not empty) is not a previous export that may be replaced as a
+    whole, or None: it must hold EXPORT_MARKER (a regular file, not a link) and only the files
+    that marker lists."""
+    marker = Path(directory) / EXPORT_MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return f"not an export of this project (no {EXPORT_MARKER} in it)"
+    try:
+        meta = json.loads(marker.read_text())
+        listed = set(meta["files"]) if meta.get("format") == EXPORT_FORMAT else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        listed = None
+    if listed is None:
+        return f"its {EXPORT_MARKER} is not one this project wrote"
+    extra = sorted(p.name for p in Path(directory).iterdir()
+                   if p.name != EXPORT_MARKER and p.name not in listed)
+    if extra:
+        return (f"it holds {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}, which the "
+                "export did not write")
+    return None
+
+
 def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], tokenizer,
-                 max_shard_size: str = "5GB") -> None:
-    """Write the model directory into a temporary sibling and rename it into place."""
+                 max_shard_size: str | int = "5GB", about: Optional[Mapping] = None) -> None:
+    """Write the model directory into a temporary sibling and rename it into place.
+
+    An existing non-empty `output` is replaced only when it is a previous export
+    (`not_replaceable`), checked again right before it is moved aside; `about` goes into the
+    export's marker file (e.g. the run and checkpoint it came from)."""
     from transformers import GenerationConfig, NemotronHForCausalLM
 
-    output = output.absolute()
+    output = Path(os.path.realpath(output))  # a link to a directory: what it points at is replaced
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".tmp-{output.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -552,8 +584,15 @@ def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], t
         write_config(tmp, config)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / EXPORT_MARKER).write_text(json.dumps(
+            {"format": EXPORT_FORMAT, **dict(about or {}), "files": files}, indent=2) + "\n")
         for path in tmp.iterdir():  # safetensors' temporary files are private (0600)
             path.chmod(0o644)
+        if output.is_dir() and any(output.iterdir()):
+            problem = not_replaceable(output)
+            if problem is not None:
+                raise HFError(f"--output {output}: {problem}; nothing was replaced")
         if output.exists():  # empty, or --overwrite: the old one goes only once the new is whole
             old = output.parent / f".old-{output.name}-{os.getpid()}"
             os.replace(output, old)

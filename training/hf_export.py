@@ -4,7 +4,11 @@
 
 Reads the run's config.yaml and its newest intact checkpoint (or --step N, verified against its
 manifest) through the checkpoint reader's allow-listed unpickler, then writes the directory
-atomically; every check runs before anything is written. Exit codes as the trainer's.
+atomically; every check runs before anything is written. --output may not be, hold or lie inside
+the run directory; --overwrite replaces only a previous export (its nvfp4_export.json lists what
+it wrote, and nothing else may be in it). Exit codes as the trainer's: 2 a bad argument (run
+directory, step, --output, --max-shard-size), 3 the tokenizer is missing, 6 the checkpoint is
+torn, corrupt or refused, 8 --output cannot be written (read-only, no permission, disk full).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from model.hf import (
     canonical_key,
     EXIT_MISSING,
     EXIT_NO_CHECKPOINT,
+    EXIT_UNWRITABLE,
     HF_EXTRA_HINT,
     HFError,
     hf_config,
+    not_replaceable,
     to_hf,
     write_hf_dir,
 )
@@ -145,21 +151,79 @@ def _hf_tokenizer(files: RunFiles, override: Optional[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eod, pad_token=eod)
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
+def _check_output(output: Path, overwrite: bool, run_dir: Optional[Path] = None) -> None:
+    """Refuse an --output that is, holds or lies inside the run directory, one that exists and is
+    not empty (unless --overwrite and a previous export: model/hf.py's marker), and one that
+    cannot be written (exit 8, found by creating and removing a directory where the export's
+    temporary goes). Nothing is left behind."""
+    real = Path(os.path.realpath(output))
+    if run_dir is not None:
+        run = Path(os.path.realpath(run_dir))
+        where = ("is the run directory" if real == run else
+                 "lies inside the run directory" if run in real.parents else
+                 "holds the run directory" if real in run.parents else None)
+        if where is not None:
+            raise HFError(f"--output {output}: {where} {run_dir}; an export is written beside "
+                          "the run, never over it or into it: choose another directory")
+    if real.exists() and not real.is_dir():
         raise HFError(f"--output {output}: exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise HFError(f"--output {output}: exists and is not empty; choose another directory "
-                      "or pass --overwrite to replace it")
+    if real.is_dir() and any(real.iterdir()):
+        if not overwrite:
+            raise HFError(f"--output {output}: exists and is not empty; choose another directory "
+                          "or pass --overwrite to replace a previous export")
+        problem = not_replaceable(real)
+        if problem is not None:
+            raise HFError(f"--output {output}: {problem}; --overwrite replaces only a previous "
+                          "export: choose another directory")
+    _probe_writable(output, real)
+
+
+def _probe_writable(output: Path, real: Path) -> None:
+    """The export's temporary goes beside --output: make and remove one directory there (the
+    nearest existing ancestor when the parent does not exist yet)."""
+    import errno
+    import tempfile
+
+    parent = real.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+    except OSError as exc:
+        raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}",
+                      EXIT_UNWRITABLE) from None
+
+
+def _os_reason(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+
+
+def parse_max_shard_size(value) -> int:
+    """--max-shard-size in bytes: a number of bytes, or one with a unit (5GB, 500MB, 0.5TB) as
+    huggingface_hub parses it when transformers' save_pretrained splits the weights."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    text = str(value).strip()
+    try:
+        size = int(text) if text.isdigit() else parse_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise HFError(f"--max-shard-size {value}: not a size; give bytes or a number with a "
+                      "unit: KB, MB, GB or TB (e.g. 5GB, 500MB)")
+    return size
 
 
 def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str] = None,
            overwrite: bool = False, max_shard_size: str = "5GB") -> Path:
     """A run's checkpoint as a transformers NemotronH directory; every check before writing."""
     run_dir, output = Path(run_dir).expanduser(), Path(output).expanduser()
+    _check_output(output, overwrite, run_dir)  # first: nothing below may touch a run
+    shard_bytes = parse_max_shard_size(max_shard_size)
     files = read_run(run_dir)
     checkpoint = pick_checkpoint(run_dir, step)
-    _check_output(output, overwrite)
     try:
         import transformers  # noqa: F401  (only whether it imports)
     except ImportError:
@@ -176,7 +240,12 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     config = hf_config(cfg, vocab, eos_token_id=hf_tokenizer.eos_token_id,
                        bos_token_id=hf_tokenizer.bos_token_id,
                        pad_token_id=hf_tokenizer.pad_token_id, dtype=dtype)
-    write_hf_dir(output, config, to_hf(full, cfg, vocab), hf_tokenizer, max_shard_size)
+    about = {"run_dir": str(Path(os.path.realpath(run_dir))), "checkpoint": checkpoint.name}
+    try:
+        write_hf_dir(output, config, to_hf(full, cfg, vocab), hf_tokenizer, shard_bytes, about)
+    except OSError as exc:  # read-only, no permission, disk full: the temporary is gone
+        raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}; nothing was "
+                      "replaced", EXIT_UNWRITABLE) from None
     return checkpoint
 
 

@@ -77,7 +77,6 @@ def one_error_line(capsys) -> str:
     return err[0]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 1")
 @pytest.mark.parametrize("where", ["the_run", "its_parent", "inside_it"])
 def test_overwrite_never_replaces_the_run_or_a_directory_holding_it(run, tmp_path, capsys,
                                                                       where):
@@ -89,7 +88,6 @@ def test_overwrite_never_replaces_the_run_or_a_directory_holding_it(run, tmp_pat
     assert files_under(tmp_path) == before  # the run, its sibling: not a byte changed, nothing added
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 1")
 def test_overwrite_replaces_only_a_previous_export(run, tmp_path, capsys):
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -106,6 +104,7 @@ def test_overwrite_replaces_only_a_previous_export(run, tmp_path, capsys):
     capsys.readouterr()
     assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 0  # an export: replaced
     assert files_under(out).keys() == first.keys()
+    capsys.readouterr()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
 
     (out / "README.md").write_text("my model card")  # a file the export did not write
@@ -113,3 +112,16 @@ def test_overwrite_replaces_only_a_previous_export(run, tmp_path, capsys):
     assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 2
     assert "README.md" in one_error_line(capsys)
     assert files_under(tmp_path) == before
+
+
+def test_the_writer_checks_the_marker_again_before_moving_anything_aside(tiny_weights, tmp_path):
+    """write_hf_dir itself (what a caller other than the CLI uses) never moves aside a directory
+    that is not an export, even when asked to write there."""
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "corpus.bin").write_bytes(b"\x00\x01")
+    config = hf.hf_config(TINY, TINY.vocab_size, eos_token_id=0)
+    state = hf.to_hf(tiny_weights, TINY, TINY.vocab_size)
+    with pytest.raises(hf.HFError, match="no nvfp4_export.json in it"):
+        hf.write_hf_dir(out, config, state, tokenizer=None)
+    assert files_under(tmp_path) == {"data/corpus.bin": b"\x00\x01"}
