@@ -241,11 +241,18 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
                        bos_token_id=hf_tokenizer.bos_token_id,
                        pad_token_id=hf_tokenizer.pad_token_id, dtype=dtype)
     about = {"run_dir": str(Path(os.path.realpath(run_dir))), "checkpoint": checkpoint.name}
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # stderr stays for the one error line (a few seconds at 12B)
     try:
         write_hf_dir(output, config, to_hf(full, cfg, vocab), hf_tokenizer, shard_bytes, about)
     except OSError as exc:  # read-only, no permission, disk full: the temporary is gone
         raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}; nothing was "
                       "replaced", EXIT_UNWRITABLE) from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return checkpoint
 
 

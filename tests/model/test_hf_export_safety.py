@@ -125,3 +125,50 @@ def test_the_writer_checks_the_marker_again_before_moving_anything_aside(tiny_we
     with pytest.raises(hf.HFError, match="no nvfp4_export.json in it"):
         hf.write_hf_dir(out, config, state, tokenizer=None)
     assert files_under(tmp_path) == {"data/corpus.bin": b"\x00\x01"}
+
+
+# -- one-line errors (issue 30 item 9) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["lots", "0", "-5GB", "5XB"])
+def test_a_max_shard_size_that_is_not_a_size_is_one_line_and_exit_2(run, tmp_path, capsys, size):
+    out = tmp_path / "hf"
+    assert hf_export.main([str(run), "--output", str(out), f"--max-shard-size={size}"]) == 2
+    assert f"--max-shard-size {size}: not a size" in one_error_line(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["sysfs", "under_a_file"])
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_8(run, tmp_path, capsys, where):
+    if where == "sysfs":
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("no sysfs")
+        out = Path("/sys/kernel/nvfp4-hf")  # sysfs: mkdir is refused, even to root
+    else:
+        (tmp_path / "a_file").write_text("not a directory")
+        out = tmp_path / "a_file" / "hf"
+    before = files_under(tmp_path)
+    assert hf_export.main([str(run), "--output", str(out)]) == 8
+    assert f"--output {out} cannot be written" in one_error_line(capsys)
+    assert files_under(tmp_path) == before
+
+
+def test_a_write_error_mid_export_is_one_line_and_exit_8_leaving_the_old_export(
+        run, tmp_path, capsys, monkeypatch):
+    """ENOSPC (or EROFS) while the files are written: the previous export stays whole and the
+    temporary goes."""
+    import errno
+
+    out = tmp_path / "hf"
+    assert hf_export.main([str(run), "--output", str(out)]) == 0
+    capsys.readouterr()
+    before = files_under(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", full)
+    assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 8
+    assert "cannot be written: No space left on device; nothing was replaced" in \
+        one_error_line(capsys)
+    assert files_under(tmp_path) == before
