@@ -171,6 +171,29 @@ def test_pickle_weights_are_refused_unopened(tmp_path):
         dataclasses.replace(TINY, init_from=str(tmp_path / "missing")).validate()
 
 
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    import os
+
+    os.truncate(path, int(path.stat().st_size * keep))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_a_truncated_safetensors_file_is_refused_at_validate_naming_it(tmp_path, layout):
+    """safetensors raises its own SafetensorError on a cut file; it becomes one ValueError line
+    (exit 2 in train.py) at the start-up check, before anything is built or written."""
+    save = {"max_shard_size": "100KB"} if layout == "sharded" else {}
+    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB, **save)
+    victim = sorted(hf_dir.glob("*.safetensors"))[-1]
+    _truncate(victim)
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(TINY, init_from=str(hf_dir)).validate()
+    message = str(info.value)
+    assert isinstance(info.value, hf.HFError) and info.value.code == hf.EXIT_CONFIG
+    assert f"model.init_from={hf_dir}: {victim.name} is truncated or corrupt" in message
+    assert "\n" not in message
+
+
 # The published NVIDIA-Nemotron-Nano-12B-v2-Base config.json, architecture fields. Sources (no
 # network to huggingface.co here): the model card (huggingface.co/nvidia/
 # NVIDIA-Nemotron-Nano-12B-v2-Base README: 62 layers = 28 Mamba-2 + 28 MLP + 6 GQA attention with
@@ -332,6 +355,20 @@ def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_ca
     assert proc.returncode == 0, log
     assert "resharded from tensor 2" in log and "resumed from" in log
     assert math.isfinite(read_metrics(tmp_path / "tp2")[-1].get("loss", 0.0))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
+@pytest.mark.slow
+def test_train_py_refuses_a_truncated_init_from_with_one_line_writing_nothing(tmp_path, data_cache):
+    hf_dir, _ = _random_hf_dir(tmp_path, ModelConfig(), 4096)
+    _truncate(hf_dir / "model.safetensors", keep=0.9)
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *TRAIN, f"model.init_from={hf_dir}", cache_dir=data_cache)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log
+    errors = [line for line in log.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "model.safetensors is truncated or corrupt" in errors[0], log
+    assert "Traceback" not in log and not run_dir.exists()
 
 
 @pytest.mark.slow
