@@ -439,8 +439,29 @@ def _safe_open():
     return safe_open
 
 
+def _safetensors_keys(hf_dir: Path, name: str) -> list[str]:
+    """The tensor names of one safetensors file. safetensors checks, on opening, that the header
+    parses and that its offsets cover exactly the file (a truncated or extended file raises
+    SafetensorError): that error becomes one line naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        with _safe_open()(str(hf_dir / name), framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as exc:
+        raise HFError(f"model.init_from={hf_dir}: {name} is truncated or corrupt (safetensors: "
+                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'unreadable'})"
+                      "; copy or download it again") from None
+    except OSError as exc:
+        raise HFError(f"model.init_from={hf_dir}: cannot read {name} ({exc.strerror or exc})"
+                      ) from None
+
+
 def _weight_files(hf_dir: Path) -> dict[str, str]:
-    """{tensor name as stored: file} of a directory's safetensors weights; pickles refused."""
+    """{tensor name as stored: file} of a directory's safetensors weights; pickles refused.
+
+    Every file's header is read (cheap: no tensor data), so a truncated or corrupt file, or an
+    index naming a tensor its file lacks, is refused at start-up."""
     index = hf_dir / "model.safetensors.index.json"
     single = hf_dir / "model.safetensors"
     if index.is_file():
@@ -452,10 +473,15 @@ def _weight_files(hf_dir: Path) -> dict[str, str]:
             if not (hf_dir / name).is_file():
                 raise HFError(f"model.init_from={hf_dir}: {index.name} lists {name}, which is "
                               "missing", EXIT_MISSING)
+            held = set(_safetensors_keys(hf_dir, name))
+            lacking = sorted(t for t, f in weight_map.items() if f == name and t not in held)
+            if lacking:
+                raise HFError(f"model.init_from={hf_dir}: {index.name} places {lacking[0]}"
+                              f"{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''} "
+                              f"in {name}, which does not hold it")
         return dict(weight_map)
     if single.is_file():
-        with _safe_open()(str(single), framework="pt") as f:
-            return {name: single.name for name in f.keys()}
+        return {key: single.name for key in _safetensors_keys(hf_dir, single.name)}
     pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
         raise HFError(f"model.init_from={hf_dir}: its weights are pickles ({', '.join(pickles)}), "
@@ -491,8 +517,14 @@ class SafetensorsWeights:
             if name not in self.files:
                 raise HFError(f"model.init_from={self.dir}: it has no tensor {name}")
             stored, file = self.files[name]
-            with _safe_open()(str(self.dir / file), framework="pt") as f:
-                self._cache[name] = f.get_tensor(stored)
+            from safetensors import SafetensorError
+
+            try:
+                with _safe_open()(str(self.dir / file), framework="pt") as f:
+                    self._cache[name] = f.get_tensor(stored)
+            except SafetensorError as exc:  # changed since the start-up check
+                raise HFError(f"model.init_from={self.dir}: {file} is truncated or corrupt "
+                              f"(safetensors: {str(exc).strip()[:200]})") from None
             self.read.add(name)
         return self._cache[name]
 

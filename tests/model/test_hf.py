@@ -177,7 +177,6 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
     os.truncate(path, int(path.stat().st_size * keep))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_a_truncated_safetensors_file_is_refused_at_validate_naming_it(tmp_path, layout):
     """safetensors raises its own SafetensorError on a cut file; it becomes one ValueError line
@@ -357,7 +356,6 @@ def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_ca
     assert math.isfinite(read_metrics(tmp_path / "tp2")[-1].get("loss", 0.0))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 @pytest.mark.slow
 def test_train_py_refuses_a_truncated_init_from_with_one_line_writing_nothing(tmp_path, data_cache):
     hf_dir, _ = _random_hf_dir(tmp_path, ModelConfig(), 4096)
