@@ -1,0 +1,259 @@
+"""data.prepare never replaces what another run wrote, `--check` catches a flipped byte, and the
+faults of reading and writing are one `error:` line with a documented exit code (issue 30)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import data.prepare as prep
+from data.indexed import open_indexed
+
+REPO = Path(__file__).resolve().parents[2]
+EXIT_LOCKED = 5  # data.prepare's "another data.prepare holds the prefix" (README, docs/data.md)
+TEXTS = [f"document {i}: " + "alpha beta gamma " * (i % 7 + 1) for i in range(40)]
+OTHER = [f"another corpus {i}: delta epsilon" for i in range(25)]
+
+
+def jsonl(path: Path, texts) -> Path:
+    path.write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts))
+    return path
+
+
+def args(inputs, tok, output, *extra):
+    return [*map(str, inputs), "--tokenizer", tok, "--output", str(output), "--no-progress", *extra]
+
+
+def decoded(prefix, tok_path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tok_path)
+    ds = open_indexed(str(prefix))
+    return [tok.decode(ds[i].tolist()[:-1]) for i in range(len(ds))]
+
+
+def files_under(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def hook_first_batch(monkeypatch, action):
+    """Run `action()` once, while the run tokenizes its first batch (between start and commit)."""
+    real, done = prep.encode_batch, []
+
+    def encode(batch):
+        if not done:
+            done.append(action())
+        return real(batch)
+
+    monkeypatch.setattr(prep, "encode_batch", encode)
+    return done
+
+
+# -- item 3: two data.prepare runs on one output prefix ----------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 3")
+def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
+        tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    """The later run starts while the earlier tokenizes: refused at once naming the first (it
+    would otherwise replace the earlier's dataset, or be replaced by it); once the first has
+    finished, the output exists and the later run is refused as before."""
+    out = tmp_path / "o" / "web"
+    mine, theirs = jsonl(tmp_path / "a.jsonl", TEXTS), jsonl(tmp_path / "b.jsonl", OTHER)
+
+    def second():
+        return subprocess.run([sys.executable, "-m", "data.prepare",
+                               *args([theirs], tiny_tokenizer, out)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    seen = hook_first_batch(monkeypatch, second)
+    assert prep.main(args([mine], tiny_tokenizer, out, "--batch-bytes", "200")) == 0
+    proc = seen[0]
+    assert proc.returncode == EXIT_LOCKED, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert f"{out}: another data.prepare is writing it" in line and f"pid {os.getpid()}" in line
+    assert decoded(out, tiny_tokenizer) == TEXTS
+    assert sorted(p.name for p in out.parent.iterdir()) == ["web.bin", "web.idx", "web.json"]
+
+    capsys.readouterr()
+    assert prep.main(args([theirs], tiny_tokenizer, out)) == 2  # after: "output exists"
+    assert "refusing to overwrite" in one_error_line(capsys.readouterr().err)
+    assert decoded(out, tiny_tokenizer) == TEXTS
+
+
+@pytest.mark.parametrize("overwrite", [
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason="issue 30 item 3")), True])
+def test_an_output_that_appears_before_the_commit_is_never_replaced(
+        tmp_path, tiny_tokenizer, monkeypatch, capsys, overwrite):
+    """The earlier run commits after another writer (one that took no lock: an older version, a
+    copy) put a dataset at the prefix: refused at the commit, that dataset left byte for byte;
+    --overwrite replaces it, as asked."""
+    out = tmp_path / "o" / "web"
+    other = tmp_path / "other" / "web"
+    assert prep.main(args([jsonl(tmp_path / "b.jsonl", OTHER)], tiny_tokenizer, other)) == 0
+    capsys.readouterr()
+
+    def land():  # what a finished writer's commit does: renames into place
+        for ext in (".bin", ".json", ".idx"):
+            os.replace(f"{other}{ext}", f"{out}{ext}")
+
+    hook_first_batch(monkeypatch, land)
+    rc = prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out,
+                        "--batch-bytes", "200", *(["--overwrite"] if overwrite else [])))
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert names == ["web.bin", "web.idx", "web.json"]  # no temporaries, no lock file
+    if overwrite:
+        assert rc == 0 and decoded(out, tiny_tokenizer) == TEXTS
+    else:
+        assert rc == 2
+        assert f"refusing to overwrite {out}" in one_error_line(capsys.readouterr().err)
+        assert decoded(out, tiny_tokenizer) == OTHER
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 3")
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
+        tmp_path, tiny_tokenizer, capsys, link):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "o" / "web"
+    out.parent.mkdir()
+    (os.symlink if link == "symlink" else os.link)(victim, f"{out}.lock")
+    assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
+        EXIT_LOCKED
+    assert f"{out}.lock" in one_error_line(capsys.readouterr().err)
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["web.lock"]
+
+
+# -- item 8: --check verifies the bytes ---------------------------------------------------------
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+IDX_LENGTHS = 34  # megatron's .idx: 9-byte magic, version, dtype code, two counts, then lengths
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 8")
+@pytest.mark.parametrize("where", ["bin", "idx_lengths", "idx_pointers"])
+def test_check_catches_one_flipped_byte(tmp_path, tiny_tokenizer, capsys, where):
+    corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
+    web, code = tmp_path / "web", tmp_path / "code_shard0"
+    assert prep.main(args([corpus], tiny_tokenizer, web)) == 0
+    assert prep.main(args([corpus], tiny_tokenizer, tmp_path / "code", "--shard", "0/1")) == 0
+    capsys.readouterr()
+    assert prep.main(["--check", str(web), str(tmp_path / "code")]) == 0
+    capsys.readouterr()
+    for prefix in (web, code):
+        n = json.loads(Path(f"{prefix}.json").read_text())["documents"]
+        if where == "bin":
+            flip(f"{prefix}.bin", os.path.getsize(f"{prefix}.bin") // 2)
+        else:
+            flip(f"{prefix}.idx", IDX_LENGTHS + (4 * n if where == "idx_pointers" else 0) + 1)
+    assert prep.main(["--check", str(web), str(tmp_path / "code")]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    for prefix in (web, code):
+        line = next(x for x in err if x.startswith(f"error: {prefix}: "))
+        if where == "bin":
+            assert "its .bin does not match its sha256" in line
+        elif where == "idx_lengths":
+            assert "its .idx lengths add up to" in line
+        else:
+            assert "its .idx pointers" in line
+        assert json.loads(Path(f"{prefix}.json").read_text())["checksums"]["algorithm"] == "sha256"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 8")
+def test_check_without_recorded_checksums_says_so_and_still_checks_the_lengths(
+        tmp_path, tiny_tokenizer, capsys):
+    web = tmp_path / "web"
+    assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, web)) == 0
+    sidecar = Path(f"{web}.json")
+    meta = json.loads(sidecar.read_text())
+    meta.pop("checksums", None)  # a dataset made before checksums were recorded
+    sidecar.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert prep.main(["--check", str(web)]) == 0
+    captured = capsys.readouterr()
+    assert f"warning: {web}: no checksum recorded" in captured.err
+    assert "1 dataset(s) without checksums" in captured.out
+    flip(f"{web}.idx", IDX_LENGTHS + 1)
+    assert prep.main(["--check", str(web)]) == 3
+    assert "its .idx lengths add up to" in capsys.readouterr().err
+
+
+# -- item 9: one line, documented exit code -----------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_gzip_input_is_one_line_naming_the_file_and_the_offset(
+        tmp_path, tiny_tokenizer, capsys, damage):
+    gz = tmp_path / "in.jsonl.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(b"".join(json.dumps({"text": t * 20}).encode() + b"\n" for t in TEXTS))
+    data = gz.read_bytes()
+    if damage == "truncated":
+        gz.write_bytes(data[: len(data) // 2])
+    else:  # one flipped byte in the last 4 bytes' size field: the stream ends in a bad trailer
+        gz.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
+    out = tmp_path / "o" / "web"
+    assert prep.main(args([gz], tiny_tokenizer, out)) == prep.EXIT_INPUT
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{gz}: " in line and "byte" in line and "no output written" in line
+    assert not out.parent.exists() or not list(out.parent.iterdir())
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
+@pytest.mark.parametrize("where", ["sysfs", "under_a_file"])
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, tiny_tokenizer,
+                                                                 capsys, where):
+    if where == "sysfs":
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("no sysfs")
+        out = Path("/sys/kernel/nvfp4-data/web")  # sysfs: mkdir is refused, even to root
+    else:
+        (tmp_path / "a_file").write_text("not a directory")
+        out = tmp_path / "a_file" / "web"
+    corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
+    before = files_under(tmp_path)
+    assert prep.main(args([corpus], tiny_tokenizer, out)) == prep.EXIT_INPUT
+    assert f"--output {out} cannot be written" in one_error_line(capsys.readouterr().err)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
+def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tmp_path, tiny_tokenizer, capsys,
+                                                           monkeypatch):
+    import errno
+
+    from data.indexed import IndexedWriter
+
+    def full(self, ids):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(IndexedWriter, "add_document", full)
+    out = tmp_path / "o" / "web"
+    assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
+        prep.EXIT_INPUT
+    assert "No space left on device" in one_error_line(capsys.readouterr().err)
+    assert not list(out.parent.iterdir())
