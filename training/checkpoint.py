@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from .distributed import ParallelContext, barrier
+from .run_dir import remove_temporary
 from .safe_load import CheckpointRefused  # noqa: F401  (raised from here, caught by the trainer)
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -118,12 +119,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     from compat import cpu_dist_checkpoint_save
 
     final = root / step_dir_name(step)
-    tmp = root / _broadcast_str(f".tmp-{step_dir_name(step)}-{os.uname().nodename}-{os.getpid()}", ctx)
-    if ctx.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "dist").mkdir(parents=True)
-    barrier()
+    tmp = _make_temporary(root, step, ctx)
     with cpu_dist_checkpoint_save():
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
                                 str(tmp / "dist"))
@@ -146,6 +142,22 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
         _apply_retention(root, keep_last)
     barrier()
     return final
+
+
+def _make_temporary(root: Path, step: int, ctx: ParallelContext) -> Path:
+    """The hidden directory step_N is written into (rank 0 makes it; named after rank 0's host
+    and pid). Whatever held its name (a leftover, a planted link) goes first, unfollowed, and
+    mkdir never follows a link: no write lands outside the checkpoints directory."""
+    tmp = root / _broadcast_str(f".tmp-{step_dir_name(step)}-{os.uname().nodename}-{os.getpid()}",
+                                ctx)
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(tmp):
+            remove_temporary(tmp)
+        tmp.mkdir()
+        (tmp / "dist").mkdir()
+    barrier()
+    return tmp
 
 
 def _is_clean(path: Path) -> bool:

@@ -11,9 +11,34 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from .run_dir import open_run_file
+
 log = logging.getLogger("nvfp4_pretrain")
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class _RunLogHandler(logging.FileHandler):
+    """train.log, opened as every file in run.dir is (training/run_dir.py: never through a link).
+    A failed write (disk full) is said once on the console, not as a traceback per record."""
+
+    failed = False
+
+    def _open(self):
+        fd = open_run_file(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, self.mode, encoding=self.encoding, errors=self.errors)
+
+    def emit(self, record) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            return super().handleError(record)
+        self.failed = True
+        sys.stderr.write(f"warning: {self.baseFilename} cannot be written "
+                         f"({exc.strerror or exc}); the log goes to the console only\n")
 
 
 def setup_logging(run_dir: Path, is_main: bool) -> None:
@@ -26,7 +51,7 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
     console.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(console)
     if is_main:
-        file = logging.FileHandler(run_dir / "train.log", mode="a")
+        file = _RunLogHandler(run_dir / "train.log", mode="a")
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         root.addHandler(file)
     for noisy in ("megatron", "wandb"):
@@ -93,19 +118,55 @@ def grad_health_line(m: dict[str, Any], top: int = 3) -> str:
 
 
 class MetricsSink:
-    """metrics.jsonl + W&B. Non-main ranks get a sink that does nothing."""
+    """metrics.jsonl + W&B. Non-main ranks get a sink that does nothing.
+
+    Each record is one line, appended with one write through `open_run_file` (never through a
+    link). A last line without its newline (the writer was killed or the disk filled mid-record)
+    is ended when the sink opens the file, so the records appended after it stay readable.
+    """
 
     def __init__(self, run_dir: Path, enabled: bool, wandb_run=None):
         self.enabled = enabled
         self.wandb_run = wandb_run
         self.path = run_dir / METRICS_FILE
+        if enabled and os.path.lexists(self.path):
+            self._end_a_torn_line()
+
+    def _append(self, data: bytes) -> None:
+        fd = open_run_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as exc:  # name the file: exit 8 names run.dir (training/trainer.py)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+        finally:
+            os.close(fd)
+
+    def _end_a_torn_line(self) -> None:
+        fd = open_run_file(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, min(size, 1 << 20), max(0, size - (1 << 20)))
+        finally:
+            os.close(fd)
+        if not tail or tail.endswith(b"\n"):
+            return
+        torn = tail[tail.rfind(b"\n") + 1:]
+        try:
+            json.loads(torn)
+            what = "a whole record without its newline, kept"
+        except ValueError:  # (UnicodeDecodeError too)
+            what = "a record cut short, which readers skip"
+        self._append(b"\n")
+        log.warning(f"{self.path} did not end with a newline (its writer was killed or the disk "
+                    f"filled mid-record): ended its last line ({len(torn)} bytes: {what}) before "
+                    "appending")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"step": step, **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append((json.dumps(record) + "\n").encode())
         if self.wandb_run is not None:
             self.wandb_run.log({wandb_key(k): v for k, v in metrics.items()}, step=step)
 

@@ -7,6 +7,11 @@ leaves a stale lock to clean up. The file records the holder (host, pid, Slurm j
 for the message that turns a second trainer away; it is the one file in run.dir that every start
 rewrites. While the lock is held no other trainer writes into run.dir, so checkpoint temporaries
 found there belong to a dead writer and are removed.
+
+Every file the run writes into run.dir (.lock, metrics.jsonl, train.log, config.yaml) is opened
+through `open_run_file` / `create_run_file`: never through a symbolic link, and only when it is a
+regular file of this user with no other name (a hard link), so a link planted in run.dir cannot
+turn a write, a truncation or an append on a file elsewhere (UnsafeFile, exit 8).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -29,6 +35,72 @@ _held: dict[Path, int] = {}  # lock path -> open descriptor
 
 class RunDirBusy(Exception):
     """Another process holds run.dir's lock; the message names it."""
+
+
+class UnsafeFile(Exception):
+    """A file the run would write is a link, not a regular file, or another user's."""
+
+    def __init__(self, path, problem: str):
+        self.path = Path(path)
+        super().__init__(
+            f"refusing to write {path}: it {problem}; a file the run writes must be a regular "
+            "file of this user with no other name, so that nothing outside run.dir changes: "
+            "move it away and run again")
+
+
+def _link_problem(path) -> str:
+    try:
+        return f"is a symbolic link (to {os.readlink(path)})"
+    except OSError:
+        return "is a symbolic link"
+
+
+def _check_opened(fd: int, path) -> None:
+    """Close `fd` and raise UnsafeFile unless it is a regular file of this user, linked once."""
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_nlink != 1:
+        problem = (f"has {st.st_nlink} hard links (writing it would change the file under its "
+                   "other names too)")
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if problem:
+        os.close(fd)
+        raise UnsafeFile(path, problem)
+
+
+def open_run_file(path, flags: int, mode: int = 0o644) -> int:
+    """os.open a file in run.dir without following a link (O_NOFOLLOW), and only a regular file
+    of this user with no other name: UnsafeFile otherwise. Never pass O_TRUNC (it would act
+    before the checks): truncate the returned descriptor instead."""
+    assert not flags & os.O_TRUNC, "truncate after the checks"
+    try:
+        # O_NONBLOCK: a FIFO planted in its place must not block the open
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise UnsafeFile(path, _link_problem(path)) from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
+            raise UnsafeFile(path, "is not a regular file") from None
+        raise
+    _check_opened(fd, path)
+    return fd
+
+
+def create_run_file(path, text: str) -> None:
+    """Write a new file into run.dir: O_EXCL, so an existing name (a link, dangling or not,
+    included) is never written through (FileExistsError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def read_run_file(path) -> str:
+    """The text of a file in run.dir, refusing a link as open_run_file does."""
+    with os.fdopen(open_run_file(path, os.O_RDONLY), "r") as f:
+        return f.read()
 
 
 def holder() -> dict:
@@ -54,12 +126,13 @@ def describe_holder(text: str) -> str:
 def lock_run_dir(run_dir: Path) -> bool:
     """Take run.dir's lock for this process (re-entrant); False if the file system has no locks.
 
-    Raises RunDirBusy when another process holds it, OSError when run.dir cannot be written.
+    Raises RunDirBusy when another process holds it, UnsafeFile when .lock is a link (symbolic
+    or hard), not a regular file or another user's, OSError when run.dir cannot be written.
     """
     path = (Path(run_dir) / LOCK_NAME).absolute()
     if path in _held:
         return True
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_run_file(path, os.O_RDWR | os.O_CREAT)  # UnsafeFile: nothing was written
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -88,13 +161,21 @@ def remove_stale_checkpoint_temporaries(ckpt_root: Path) -> list[str]:
     """Delete checkpoints/.tmp-* left by a writer that died; call only while holding the lock.
 
     A temporary never holds a complete checkpoint (those are renamed to step_N), so nothing a
-    resume could use is lost.
+    resume could use is lost. A link among them is removed itself, never followed.
     """
     if not ckpt_root.is_dir():
         return []
     removed = []
     for tmp in sorted(ckpt_root.glob(".tmp-*")):
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_temporary(tmp)
         removed.append(tmp.name)
     return removed
+
+
+def remove_temporary(path: Path) -> None:
+    """Delete a temporary directory of ours; a link (or file) in its place goes, unfollowed."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:  # rmtree never follows a link inside the tree (it works on directory descriptors)
+        shutil.rmtree(path, ignore_errors=True)
 

@@ -33,8 +33,8 @@ from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
 from .optim import WSDScheduler
 from .pipeline import run_micro_batches
 from .preflight import run_preflight
-from .run_dir import (RunDirBusy, lock_run_dir, release_run_dir,
-                      remove_stale_checkpoint_temporaries)
+from .run_dir import (RunDirBusy, UnsafeFile, create_run_file, lock_run_dir, read_run_file,
+                      release_run_dir, remove_stale_checkpoint_temporaries)
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -48,7 +48,9 @@ class ExitCode:
     DIVERGED = 4  # NaN/Inf loss with on_nan=stop, or max_consecutive_skips with on_nan=skip
     RUN_DIR_IN_USE = 5  # run.resume=never and run.dir holds a run, or another trainer holds it
     NO_USABLE_CHECKPOINT = 6  # run.dir holds checkpoints and none can be resumed from
-    RUN_DIR_UNWRITABLE = 8  # run.dir (or data.cache_dir) cannot be created or written
+    # run.dir (or data.cache_dir) cannot be created or written, a checkpoint cannot be written
+    # (disk full), or a file the run writes there is a link or another user's (UnsafeFile)
+    RUN_DIR_UNWRITABLE = 8
     WANDB_UNAVAILABLE = 9  # logger.mode=online without an API key or an answering server
     PREEMPTED = 75  # SIGTERM/SIGUSR1/first SIGINT: checkpointed, resumable (EX_TEMPFAIL)
     INTERRUPTED = 130  # a second SIGINT (Ctrl-C): stopped at once, no checkpoint
@@ -424,6 +426,8 @@ def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
             f"run.dir={run_dir} is in use by another trainer: {exc}; wait for it to end or stop "
             "it (its lock goes with the process), or choose another run.dir",
             ExitCode.RUN_DIR_IN_USE) from None
+    except UnsafeFile as exc:
+        raise TrainingError(f"run.dir={run_dir}: {exc}", ExitCode.RUN_DIR_UNWRITABLE) from None
     except OSError as exc:
         raise TrainingError(_unwritable_message("run.dir", run_dir, exc),
                             ExitCode.RUN_DIR_UNWRITABLE) from None
@@ -438,14 +442,16 @@ def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
                         "of a process that died")
     config_path = run_dir / "config.yaml"
     text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    try:
-        if not config_path.exists():
-            config_path.write_text(text)
-        elif config_path.read_text() != text:  # a resume with another config: keep both
+    try:  # created, never written through an existing name (a link included)
+        if not os.path.lexists(config_path):
+            create_run_file(config_path, text)
+        elif read_run_file(config_path) != text:  # a resume with another config: keep both
             n = 1
-            while (run_dir / f"config.resume-{n}.yaml").exists():
+            while os.path.lexists(run_dir / f"config.resume-{n}.yaml"):
                 n += 1
-            (run_dir / f"config.resume-{n}.yaml").write_text(text)
+            create_run_file(run_dir / f"config.resume-{n}.yaml", text)
+    except UnsafeFile as exc:
+        raise TrainingError(f"run.dir={run_dir}: {exc}", ExitCode.RUN_DIR_UNWRITABLE) from None
     except OSError as exc:
         raise TrainingError(_unwritable_message("run.dir", run_dir, exc),
                             ExitCode.RUN_DIR_UNWRITABLE) from None
@@ -503,6 +509,9 @@ def run(cfg) -> int:
     except WandbUnavailable as exc:
         log.error(f"error: {exc}")
         return ExitCode.WANDB_UNAVAILABLE
+    except UnsafeFile as exc:  # metrics.jsonl, train.log planted as a link
+        log.error(f"error: run.dir={cfg.run.dir}: {exc}")
+        return ExitCode.RUN_DIR_UNWRITABLE
     except KeyboardInterrupt:
         log.error("error: interrupted (a second SIGINT): stopped at once without a checkpoint; "
                   "run again to continue from the last one")

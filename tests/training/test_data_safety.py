@@ -49,7 +49,6 @@ def _victim(tmp_path: Path) -> tuple[Path, bytes]:
 # -- item 2: the lock, and every other file the run writes into run.dir -----------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 2")
 @pytest.mark.parametrize("plant", ["symlink", "hard_link", "dangling_symlink"])
 def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, plant):
     from training.run_dir import UnsafeFile, lock_run_dir, release_run_dir
@@ -76,7 +75,6 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, pla
     assert not (tmp_path / "created-through-the-link").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 2")
 @pytest.mark.parametrize("plant", ["directory", "fifo", "another_users"])
 def test_a_lock_that_is_not_a_regular_file_of_this_user_is_refused(tmp_path, plant):
     from training.run_dir import UnsafeFile, lock_run_dir, release_run_dir
@@ -105,7 +103,6 @@ def test_a_lock_that_is_not_a_regular_file_of_this_user_is_refused(tmp_path, pla
         assert lock.read_text() == "someone else's\n"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 2")
 def test_train_py_refuses_a_symlinked_lock_with_exit_8_and_one_line(tmp_path):
     victim, before = _victim(tmp_path)
     run_dir = tmp_path / "run"
@@ -120,7 +117,6 @@ def test_train_py_refuses_a_symlinked_lock_with_exit_8_and_one_line(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing else written
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 2")
 @pytest.mark.parametrize("plant", ["symlink", "hard_link"])
 def test_metrics_and_train_log_refuse_links(tmp_path, plant):
     from training.metrics import setup_logging
@@ -164,7 +160,6 @@ def _prepare(run_dir: Path):
         release_run_dir(run_dir)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 2")
 @pytest.mark.parametrize("plant", ["symlink", "dangling_symlink"])
 def test_the_config_copy_is_never_written_through_a_link(tmp_path, plant):
     from training.trainer import ExitCode, TrainingError
@@ -183,7 +178,6 @@ def test_the_config_copy_is_never_written_through_a_link(tmp_path, plant):
     assert not list(run_dir.glob("config.resume-*"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 2")
 def test_planted_links_among_checkpoint_temporaries_are_never_followed(tmp_path):
     """A link where the trainer makes its temporary (or one it cleans up) is removed, not
     followed: the directory it points at keeps every file."""
