@@ -356,7 +356,6 @@ def test_a_full_tmpfs_during_a_checkpoint_is_one_line_and_keeps_the_previous(
 # -- item 7: a torn last line of metrics.jsonl ------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 7")
 @pytest.mark.parametrize("tail", ['{"step": 3, "lo', '{"step": 3, "loss": 7.0}'])
 def test_a_torn_last_metrics_line_is_ended_before_anything_is_appended(tmp_path, caplog, tail):
     path = tmp_path / METRICS_FILE
