@@ -17,6 +17,8 @@ Each checkpoint is written into a hidden temporary directory and renamed into pl
 after every rank finished, so a crash leaves either a complete checkpoint or none. Loading
 verifies the manifest and falls back to the previous checkpoint if the latest is torn; when
 checkpoints exist and none is usable the run stops (NoUsableCheckpoint) instead of starting over.
+A checkpoint is trusted under its own name only: the manifest's step must be the step the
+directory's name gives, and "newest" is the highest step, not the last name in sort order.
 No code runs from a checkpoint: the .pt files load with `torch.load(weights_only=True)` and the
 distributed checkpoint through `safe_load` (its pickled metadata with an allow-listed unpickler).
 Nothing is deleted but by `keep_last` retention, which never evicts the newest checkpoint written
@@ -59,6 +61,36 @@ class CheckpointMismatch(ValueError):
 
 def step_dir_name(step: int) -> str:
     return f"{PREFIX}{step:07d}"
+
+
+def named_step(path: Path) -> Optional[int]:
+    """The step a checkpoint directory's name gives (step_<digits>: 7 digits, or more past step
+    9,999,999); None for any other name."""
+    digits = path.name[len(PREFIX):]
+    if path.name.startswith(PREFIX) and digits.isascii() and digits.isdigit():
+        return int(digits)
+    return None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Every step_* entry of root, oldest first by the step its name gives (names that give
+    none first): step_10000000 after step_9999999, which sorting the names would not do."""
+    return sorted(root.glob(f"{PREFIX}*"), key=lambda p: (named_step(p) is not None,
+                                                          named_step(p) or 0, p.name))
+
+
+def _manifest_step(path: Path) -> Optional[int]:
+    try:
+        step = json.loads((path / MANIFEST).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _is_complete(path: Path) -> bool:
+    """A finished write under its own name (the checksums are verify_checkpoint's job)."""
+    step = named_step(path)
+    return step is not None and _manifest_step(path) == step
 
 
 def _sha256(path: Path) -> str:
@@ -136,8 +168,8 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
                                                         "sha256": _sha256(p)}
                               for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if final.exists():  # an unusable checkpoint the resume skipped: kept, out of the way
-            set_aside(root, [final], "it is unusable and this step is being saved again")
+        if os.path.lexists(final):  # kept, out of the way, and said for what it is
+            set_aside(root, [final], _why_replaced(final))
         os.replace(tmp, final)
         _apply_retention(root, keep_last)
     barrier()
@@ -161,6 +193,15 @@ def _make_temporary(root: Path, step: int, ctx: ParallelContext) -> Path:
 
 
 def _is_clean(path: Path) -> bool:
+def _why_replaced(final: Path) -> str:
+    problem = (verify_checkpoint(final) if final.is_dir() and not final.is_symlink()
+               else "not a checkpoint directory")
+    if problem:
+        return f"it is unusable ({problem}) and this step is being saved again"
+    return ("it is an intact checkpoint of this step from an earlier attempt that this run did "
+            "not resume from; this run's own replaces it")
+
+
     """Written with no step skipped (non-finite loss) since the previous checkpoint."""
     try:
         return json.loads((path / MANIFEST).read_text()).get("skipped_since_previous", 0) == 0
@@ -169,10 +210,11 @@ def _is_clean(path: Path) -> bool:
 
 
 def _apply_retention(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints and the newest clean one."""
+    """Keep the newest `keep_last` complete checkpoints and the newest clean one. A torn one, or
+    one whose manifest names another step (a renamed directory), is neither counted nor deleted."""
     if keep_last <= 0:
         return
-    complete = [d for d in sorted(root.glob(f"{PREFIX}*")) if (d / MANIFEST).exists()]
+    complete = [d for d in step_dirs(root) if _is_complete(d)]
     keep = set(complete[-keep_last:])
     clean = [d for d in complete if _is_clean(d)]
     if clean:
@@ -199,7 +241,7 @@ def set_aside_for_restart(root: Path, ctx: ParallelContext) -> Optional[Path]:
     """run.resume=restart: this run's checkpoints start again at step 1; the old ones are kept."""
     moved = ""
     if ctx.is_main and root.exists():
-        old = sorted(root.glob(f"{PREFIX}*"))
+        old = step_dirs(root)
         if old:
             moved = str(set_aside(root, old, "run.resume=restart"))
     barrier()
@@ -219,6 +261,15 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"unreadable manifest ({type(exc).__name__}: {exc})"
     for name, (size, sha256) in files.items():
+    named, saved = named_step(path), _manifest_step(path)
+    if named is None:
+        return f"its name {path.name} is not {PREFIX}<step>"
+    if saved is None:
+        return f"its manifest has no step, so its name {path.name} cannot be checked"
+    if saved != named:
+        return (f"its manifest says step {saved} but its name {path.name} says step {named} "
+                f"(renamed?); a checkpoint is used only under its own step's name "
+                f"({step_dir_name(saved)})")
         file = path / name
         if not file.exists():
             return f"missing {name}"
@@ -237,7 +288,7 @@ def latest_valid_checkpoint(root: Path) -> Optional[Path]:
     """The newest intact checkpoint; torn or corrupt newer ones are reported and skipped."""
     if not root.exists():
         return None
-    for candidate in sorted(root.glob(f"{PREFIX}*"), reverse=True):
+    for candidate in reversed(step_dirs(root)):
         problem = verify_checkpoint(candidate)
         if problem is None:
             return candidate
@@ -257,7 +308,7 @@ def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
         if found is not None:
             answer["path"] = str(found)
         elif root.exists() and any(root.glob(f"{PREFIX}*")):
-            names = sorted(p.name for p in root.glob(f"{PREFIX}*"))
+            names = [p.name for p in step_dirs(root)]
             answer["error"] = (
                 f"{root} holds {len(names)} checkpoint(s) ({names[0]} .. {names[-1]}) and none is "
                 "usable (see the warnings above); none was changed. Repair or restore one, or "

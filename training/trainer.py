@@ -160,6 +160,7 @@ class Trainer:
         self.wandb_id: Optional[str] = None
         self.val_batches = self.data.validation_batches(tr.eval_batches)
         for line in self.precision.describe(backend, reason, ctx.device):
+        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
             log.info(line)
         if self.precision.quantizes:
             for line in (preflight or run_preflight(cfg, backend)).summary():
@@ -224,6 +225,7 @@ class Trainer:
         if state["resharded"]:
             t, p, w = state["layout"]
             log.info(f"resharded from tensor {t} x pipeline {p} ({w} processes) to tensor "
+        self.resumed_from = path
                      f"{self.ctx.tensor} x pipeline {self.ctx.pipeline} ({self.ctx.world_size})")
         log.info(f"resumed from {path} at step {self.step}")
 
@@ -345,6 +347,8 @@ class Trainer:
             log.info(f"run already complete ({self.step}/{tr.max_steps} steps)")
         start_step, t_start = self.step, time.perf_counter()
         try:
+        if self.resumed_from is not None:  # the steps after it may be logged a second time
+            sink.event(self.step, "resume", checkpoint=self.resumed_from.name)
             while self.step < tr.max_steps:
                 t0 = time.perf_counter()
                 micro_batches = self.data.train.next_global_batch()

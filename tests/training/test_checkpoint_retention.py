@@ -14,7 +14,7 @@ def _fake_checkpoint(root, step, complete=True):
 
         digest = hashlib.sha256(b"x").hexdigest()
         (path / MANIFEST).write_text(json.dumps(
-            {"files": {"trainer.pt": {"bytes": 1, "sha256": digest}}}))
+            {"step": step, "files": {"trainer.pt": {"bytes": 1, "sha256": digest}}}))
     return path
 
 

@@ -79,7 +79,7 @@ def _save_small_dist_checkpoint(directory: Path) -> dict:
              "extra": ShardedObject("extra", [torch.ones(2)], (1,), (0,), replica_id=0),
              "step": 7}
     directory.mkdir(parents=True)
-    with cpu_dist_checkpoint_save():
+    with cpu_dist_checkpoint_save(cuda=False):
         dist_checkpointing.save(state, str(directory))
     return {"w": weight}
 
@@ -188,7 +188,7 @@ def _fake_checkpoint(root: Path, step: int, skipped_since_previous: int = 0,
     (path / "trainer.pt").write_bytes(b"x")
     digest = hashlib.sha256(b"y" if corrupt else b"x").hexdigest()
     (path / MANIFEST).write_text(json.dumps(
-        {"skipped_since_previous": skipped_since_previous,
+        {"step": step, "skipped_since_previous": skipped_since_previous,
          "files": {"trainer.pt": {"bytes": 1, "sha256": digest}}}))
     return path
 

@@ -216,7 +216,6 @@ def _fake_checkpoint(root: Path, step: int, manifest_step: int | None = None) ->
     return path
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 4")
 def test_a_checkpoint_whose_name_is_not_its_manifests_step_is_refused(tmp_path):
     _fake_checkpoint(tmp_path, 2)
     renamed = _fake_checkpoint(tmp_path, 9, manifest_step=4)
@@ -226,7 +225,6 @@ def test_a_checkpoint_whose_name_is_not_its_manifests_step_is_refused(tmp_path):
     assert latest_valid_checkpoint(tmp_path).name == "step_0000002"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 4")
 def test_the_newest_checkpoint_is_the_highest_step_past_seven_digits(tmp_path):
     for step in (9_999_998, 9_999_999, 10_000_000):
         _fake_checkpoint(tmp_path, step)
@@ -235,7 +233,6 @@ def test_the_newest_checkpoint_is_the_highest_step_past_seven_digits(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10000000", "step_9999999"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 4")
 def test_retention_neither_counts_nor_deletes_a_renamed_checkpoint(tmp_path):
     for step in (2, 6):
         _fake_checkpoint(tmp_path, step)
@@ -276,7 +273,6 @@ def _save(root: Path, step: int, ctx, small_model) -> Path:
                            optimizer_format=format_, trainer_state={"step": step}, keep_last=0)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 4")
 def test_an_intact_checkpoint_of_the_step_being_saved_is_not_called_unusable(
         tmp_path, parallel_context, small_model, caplog):
     first = _save(tmp_path, 2, parallel_context, small_model)
@@ -422,7 +418,6 @@ ARGS = [*TINY, "trainer.save_every=2", "trainer.eval_every=100"]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 30 item 4")
 def test_a_renamed_checkpoint_is_refused_and_nothing_real_is_moved_or_deleted(
         tmp_path, data_cache):
     """The issue's scenario: a finished 4-step run, step_0000004 renamed to step_0000009, then
