@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -127,6 +128,99 @@ def remove_dead_temporaries(pattern: str) -> List[str]:
     return removed
 
 
+class PrefixInUse(Exception):
+    """Another process holds an output prefix's lock, or its lock file is one that must not be
+    opened (a link, another user's, not a regular file)."""
+
+
+class OutputExists(Exception):
+    """The output is there and may not be replaced."""
+
+
+LOCK_SUFFIX = ".lock"
+
+
+class PrefixLock:
+    """``PREFIX.lock``: one writer per output prefix, held (``flock``, exclusive) from before the
+    output is checked until after it is committed or abandoned.
+
+    The file is opened with ``O_NOFOLLOW`` and must be a regular file of this user with one link,
+    so a link planted there never has its target truncated or written. The holder writes its pid,
+    host and start time into it, which a refused writer names. It is removed while still held on
+    release; a writer that finds the file replaced after taking the lock (its holder removed it)
+    takes the new one. A killed holder leaves the file, unlocked: the next writer takes it.
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.path = prefix + LOCK_SUFFIX
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise PrefixInUse; OSError when the directory cannot be written."""
+        import errno
+        import fcntl
+        import stat
+        import time
+
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            try:
+                fd = os.open(self.path, flags, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise PrefixInUse(f"{self.path} is a symbolic link: refusing to open it (it "
+                                      "would write where it points); remove it") from None
+                raise
+            try:
+                st = os.fstat(fd)
+                problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                           f"belongs to uid {st.st_uid}, not {os.geteuid()}"
+                           if st.st_uid != os.geteuid() else
+                           f"has {st.st_nlink} hard links (another file shares it)"
+                           if st.st_nlink != 1 else None)
+                if problem is not None:
+                    raise PrefixInUse(f"{self.path} {problem}: refusing to use it as the lock; "
+                                      "remove it")
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 400, 0).decode("utf-8", "replace").strip()
+                    raise PrefixInUse(f"{self.prefix}: another data.prepare is writing it "
+                                      f"({holder or 'holder unknown'}, {self.path}); wait for it "
+                                      "or choose another --output") from None
+                try:
+                    now = os.stat(self.path, follow_symlinks=False)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    os.close(fd)  # the previous holder removed it on release: take the new one
+                    continue
+                os.ftruncate(fd, 0)
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n"
+                          .encode(), 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+            return
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # still held: no other writer can be between open and flock
+        os.close(self.fd)
+        self.fd = None
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def read_sidecar(prefix: str) -> Optional[Dict]:
     try:
         with open(prefix + ".json", encoding="utf-8") as f:
@@ -155,7 +249,7 @@ class IndexedWriter:
         if not overwrite:
             existing = [prefix + e for e in (".bin", ".idx") if os.path.exists(prefix + e)]
             if existing:
-                raise FileExistsError(
+                raise OutputExists(
                     f"output exists: {', '.join(existing)} (pass --overwrite to replace it)"
                 )
         # What an earlier writer killed mid-way (SIGKILL, node loss) left behind.
@@ -172,11 +266,20 @@ class IndexedWriter:
         self.documents += 1
         self.tokens += len(ids)
 
-    def commit(self, sidecar: Optional[Dict] = None) -> None:
+    def commit(self, sidecar: Optional[Dict] = None, before_rename=None) -> None:
+        """Finish the files, record their SHA-256 in the sidecar (``checksums``: what
+        ``data.prepare --check`` verifies), call ``before_rename()`` (which may raise: nothing
+        has been renamed yet, and leaving the context removes the temporaries), then rename
+        them into place."""
         self.builder.finalize(self.tmp + ".idx")
         if sidecar is not None:
+            sidecar = {**sidecar, "checksums": {"algorithm": "sha256",
+                                                "bin": file_sha256(self.tmp + ".bin"),
+                                                "idx": file_sha256(self.tmp + ".idx")}}
             with open(self.tmp + ".json", "w", encoding="utf-8") as f:
                 json.dump(sidecar, f, indent=2)
+        if before_rename is not None:
+            before_rename()
         if os.path.exists(self.prefix + ".idx"):
             os.unlink(self.prefix + ".idx")  # never pair an old .idx with a new .bin
         os.replace(self.tmp + ".bin", self.prefix + ".bin")

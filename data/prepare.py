@@ -39,11 +39,22 @@ only what is missing. ``launch/prepare.sbatch`` runs one shard per Slurm array t
 ``--train-tokenizer VOCAB`` first trains a byte-level BPE on the input documents and saves it as
 ``tokenizer.json`` in the output's directory.
 
+One writer per output: ``PREFIX.lock`` (``flock``, opened without following links) is held from
+before the output is checked until it is committed; a second run on the same prefix stops at once
+naming the first (exit 5). At the commit, an output that another writer put there meanwhile is
+never replaced (exit 2) unless ``--overwrite``. The sidecar records the SHA-256 of the ``.bin``
+and ``.idx`` (``checksums``), which ``--check`` verifies.
+
 Exit codes: 0 done (or the shard was already complete); 1 bad input under --strict, no
-documents, or an error while writing; 2 usage errors (bad arguments, no inputs, a Parquet/Arrow
-file without the text column, a bad tokenizer, output exists without --overwrite); 130
-interrupted (Ctrl-C); 143 terminated (SIGTERM, as Slurm's scancel sends): no output, no temporaries. ``--check``: 0 every shard complete and consistent; 2 shards disagree (tokenizer,
-inputs, shard count); 3 a shard is missing or incomplete.
+documents, an input that cannot be read to its end (a truncated or corrupt .gz: the file and the
+byte offset named), or an output that cannot be written (read-only, not a directory, disk full);
+2 usage errors (bad arguments, no inputs, a Parquet/Arrow file without the text column, a bad
+tokenizer, output exists without --overwrite, or appeared while this run was tokenizing); 5
+another data.prepare holds the output prefix, or its lock file is a link or not this user's;
+130 interrupted (Ctrl-C); 143 terminated (SIGTERM, as Slurm's scancel sends): no output, no
+temporaries. Every error is one ``error:`` line. ``--check``: 0 every shard complete and
+consistent; 2 shards disagree (tokenizer, inputs, shard count); 3 a shard is missing,
+incomplete or corrupt (its .idx lengths disagree with its .bin, or a checksum differs).
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -76,10 +88,24 @@ HF_DICT = "dataset_dict.json"  # ... and DatasetDict.save_to_disk above its spli
 Record = Tuple[int, int, object]
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_MISSING, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+EXIT_LOCKED = 5  # another data.prepare holds the output prefix (as train.py's 5: run.dir in use)
 
 
 class StrictError(Exception):
     pass
+
+
+class InputError(Exception):
+    """An input that cannot be read to its end (a truncated or corrupt .gz): exit 1."""
+
+
+class OutputError(Exception):
+    """The output cannot be written (read-only, not a directory, no permission, disk full): exit 1."""
+
+
+def _cannot_write(output: str, exc: OSError) -> OutputError:
+    where = f": {exc.filename}" if exc.filename else ""
+    return OutputError(f"--output {output} cannot be written: {exc.strerror or exc}{where}")
 
 
 class UsageError(Exception):
@@ -359,26 +385,44 @@ def iter_records(files: Sequence[str], kinds: Sequence[str], pieces: Sequence[Pi
 
 
 def _whole_file_records(fi: int, path: str, kind: str, text_doc: str) -> Iterator[Record]:
+    read = [0, 0]  # uncompressed bytes and lines read whole: where a damaged .gz stops
     with _open(path) as f:
-        if kind == "jsonl" or text_doc == "line":
-            for ln, line in enumerate(f, 1):
-                if line.strip():
-                    yield fi, ln, line
-        elif text_doc == "file":
-            yield fi, 1, f.read()
-        else:  # paragraph
-            buf: List[bytes] = []
-            start = 1
-            for ln, line in enumerate(f, 1):
-                if line.strip():
-                    if not buf:
-                        start = ln
-                    buf.append(line)
-                elif buf:
+        try:
+            if kind == "jsonl" or text_doc == "line":
+                for ln, line in enumerate(f, 1):
+                    read[0], read[1] = read[0] + len(line), ln
+                    if line.strip():
+                        yield fi, ln, line
+            elif text_doc == "file":
+                yield fi, 1, f.read()
+            else:  # paragraph
+                buf: List[bytes] = []
+                start = 1
+                for ln, line in enumerate(f, 1):
+                    read[0], read[1] = read[0] + len(line), ln
+                    if line.strip():
+                        if not buf:
+                            start = ln
+                        buf.append(line)
+                    elif buf:
+                        yield fi, start, b"".join(buf)
+                        buf = []
+                if buf:
                     yield fi, start, b"".join(buf)
-                    buf = []
-            if buf:
-                yield fi, start, b"".join(buf)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # only gzip raises these here
+            raise InputError(_gzip_problem(path, f, e, *read)) from None
+
+
+def _gzip_problem(path: str, f, exc: Exception, done: int, lines: int) -> str:
+    """One line: the file, how far its compressed bytes were read, what decompressed whole."""
+    try:
+        at = f.fileobj.tell()  # the compressed file's read position (the end, when cut short)
+    except (AttributeError, OSError, ValueError):
+        at = None
+    what = "truncated" if isinstance(exc, EOFError) else "corrupt"
+    where = f"read to byte {at:,} of {os.path.getsize(path):,}" if at is not None else "unreadable"
+    return (f"{path}: {what} gzip ({exc}): {where}, after {done:,} uncompressed bytes "
+            f"({lines:,} whole lines); copy it again or leave it out")
 
 
 def _line_records(fi: int, path: str, piece: Piece) -> Iterator[Record]:
@@ -620,10 +664,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import signal
     import threading
 
+    from data.indexed import OutputExists, PrefixInUse, PrefixLock
+
     in_main = threading.current_thread() is threading.main_thread()  # signal() works only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    lock = PrefixLock(job.prefix)
     try:
+        try:
+            lock.acquire()  # the first write: held until the output is committed or abandoned
+        except OSError as e:
+            raise _cannot_write(args.output, e) from None
+        _refuse_if_changed(args, job, "since this run started")
         return _run(args, job)
+    except PrefixInUse as e:
+        _error(str(e))
+        return EXIT_LOCKED
+    except (UsageError, OutputExists) as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except (InputError, OutputError) as e:
+        _error(f"{e}; no output written")
+        return EXIT_INPUT
     except StrictError as e:
         _error(f"{e} (--strict); no output written")
         return EXIT_INPUT
@@ -634,8 +695,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _error("terminated (SIGTERM): no output written")
         return EXIT_TERMINATED
     finally:
+        lock.release()
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _output_state(prefix: str) -> tuple:
+    """What is at the output now: (ext, inode, size, mtime) of each of its files."""
+    found = []
+    for ext in (".bin", ".idx", ".json"):
+        try:
+            st = os.stat(prefix + ext)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        found.append((ext, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(found)
+
+
+def _refuse_if_changed(args, job: "Job", when: str) -> None:
+    """Without --overwrite, the output must still be what _plan accepted (usually nothing): a
+    dataset that another writer put there meanwhile is never replaced."""
+    if not args.overwrite and _output_state(job.prefix) != job.found:
+        raise UsageError(f"refusing to overwrite {job.prefix}: a dataset appeared there {when} "
+                         "(another writer); nothing was replaced (pass --overwrite to replace it)")
 
 
 @dataclass
@@ -649,6 +731,7 @@ class Job:
     spec: object = None  # TokenizerSpec, None with --train-tokenizer
     expected: Dict = field(default_factory=dict)  # what the sidecar records about the work
     replace_incomplete: bool = False  # a shard's .bin without .idx is there: replace it
+    found: tuple = ()  # _output_state when planned: what may be replaced without --overwrite
 
 
 def _plan(args) -> Optional[Job]:
@@ -694,6 +777,7 @@ def _plan(args) -> Optional[Job]:
     pieces = plan_pieces(files, kinds, args.text_doc, shard)
     job = Job(files, kinds, pieces, prefix, shard, base, spec)
     job.expected = _work_record(args, job)
+    job.found = _output_state(prefix)
     existing = [prefix + e for e in (".bin", ".idx") if os.path.exists(prefix + e)]
     if shard is not None:
         _check_siblings(args, base, shard)
@@ -850,7 +934,13 @@ def _run(args, job: Job) -> int:
         with err.status(f"training a {args.train_tokenizer}-token BPE tokenizer on {len(files)} file(s)"):
             tok = train_bpe_tokenizer(texts(), args.train_tokenizer)
         tok_path = _tokenizer_out(prefix)
-        save_tokenizer_atomic(tok, tok_path)
+        if not args.overwrite and os.path.exists(tok_path):  # _plan saw none: it appeared since
+            raise UsageError(f"refusing to overwrite {tok_path}: it appeared while this run "
+                             "trained its tokenizer (pass --overwrite)")
+        try:
+            save_tokenizer_atomic(tok, tok_path)
+        except OSError as e:
+            raise _cannot_write(args.output, e) from None
         err.print(f"tokenizer ({tok.get_vocab_size()} tokens) saved to {tok_path}")
         job.spec = load_tokenizer_spec(tok_path)
         job.expected["tokenizer_sha256"] = job.spec.sha256
@@ -864,9 +954,11 @@ def _run(args, job: Job) -> int:
     batches = batched(iter_records(files, kinds, job.pieces, args.text_doc, args.text_column, args.batch_bytes),
                       args.batch_bytes)
     init = (spec.to_init(), kinds, args.json_key, args.text_column)
-    overwrite = args.overwrite or job.replace_incomplete
-    with IndexedWriter(prefix, tok.get_vocab_size(), overwrite=overwrite) as writer, \
-            _progress(not args.no_progress, err) as progress:
+    try:  # what may be replaced was decided in _plan; _refuse_if_changed holds it to that
+        writer = IndexedWriter(prefix, tok.get_vocab_size(), overwrite=True)
+    except OSError as e:
+        raise _cannot_write(args.output, e) from None
+    with writer, _progress(not args.no_progress, err) as progress:
         for path in writer.removed_stale:
             err.print(f"removed {path}: a temporary of a data.prepare that was killed",
                       soft_wrap=True, markup=False, highlight=False)
@@ -887,8 +979,11 @@ def _run(args, job: Job) -> int:
                         stats.bad[reason.split(" (")[0].split(" at ")[0]] += 1
                         if len(stats.bad_examples) < 10:
                             stats.bad_examples.append(f"{where(fi, loc)}: {reason}")
-                for a in arrays:
-                    writer.add_document(a)
+                try:
+                    for a in arrays:
+                        writer.add_document(a)
+                except OSError as e:  # disk full, quota, a vanished mount
+                    raise _cannot_write(args.output, e) from None
                 stats.empty += empty
                 stats.bytes += nbytes
                 elapsed = max(time.time() - t0, 1e-9)
@@ -915,7 +1010,11 @@ def _run(args, job: Job) -> int:
             "dtype": np.dtype(writer.dtype).name, "json_key": args.json_key, "seconds": round(elapsed, 2),
             **job.expected, "pieces": pieces,
         }
-        writer.commit(sidecar)
+        try:
+            writer.commit(sidecar, before_rename=lambda: _refuse_if_changed(
+                args, job, "while this run was tokenizing"))
+        except OSError as e:
+            raise _cannot_write(args.output, e) from None
     _report(out, prefix, stats, elapsed, spec.path)
     return EXIT_OK
 

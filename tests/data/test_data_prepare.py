@@ -93,8 +93,10 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch
     assert not dataset_exists(str(out)) and _no_tmp(tmp_path)
 
 
-def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, monkeypatch):
-    """Even a crash inside commit (after .bin is in place) leaves no .idx: not a dataset."""
+def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, monkeypatch,
+                                                     capsys):
+    """Even a crash inside commit (after .bin is in place) leaves no .idx: not a dataset; the
+    error is one line (exit 1)."""
     _jsonl(tmp_path / "in.jsonl", TEXTS)
     real_replace = os.replace
 
@@ -105,8 +107,10 @@ def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, 
 
     monkeypatch.setattr(os, "replace", replace)
     out = tmp_path / "ds"
-    with pytest.raises(OSError):
-        prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"])
+    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
+                      "--no-progress"]) == 1
+    assert capsys.readouterr().err.strip() == (f"error: --output {out} cannot be written: disk vanished; "
+                                                "no output written")
     assert not dataset_exists(str(out))
 
 

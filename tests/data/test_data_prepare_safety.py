@@ -64,7 +64,6 @@ def hook_first_batch(monkeypatch, action):
 # -- item 3: two data.prepare runs on one output prefix ----------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 3")
 def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
         tmp_path, tiny_tokenizer, monkeypatch, capsys):
     """The later run starts while the earlier tokenizes: refused at once naming the first (it
@@ -93,8 +92,7 @@ def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
     assert decoded(out, tiny_tokenizer) == TEXTS
 
 
-@pytest.mark.parametrize("overwrite", [
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason="issue 30 item 3")), True])
+@pytest.mark.parametrize("overwrite", [False, True])
 def test_an_output_that_appears_before_the_commit_is_never_replaced(
         tmp_path, tiny_tokenizer, monkeypatch, capsys, overwrite):
     """The earlier run commits after another writer (one that took no lock: an older version, a
@@ -122,7 +120,6 @@ def test_an_output_that_appears_before_the_commit_is_never_replaced(
         assert decoded(out, tiny_tokenizer) == OTHER
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 3")
 @pytest.mark.parametrize("link", ["symlink", "hardlink"])
 def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
         tmp_path, tiny_tokenizer, capsys, link):
@@ -204,7 +201,6 @@ def test_check_without_recorded_checksums_says_so_and_still_checks_the_lengths(
 # -- item 9: one line, documented exit code -----------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
 def test_a_damaged_gzip_input_is_one_line_naming_the_file_and_the_offset(
         tmp_path, tiny_tokenizer, capsys, damage):
@@ -223,7 +219,6 @@ def test_a_damaged_gzip_input_is_one_line_naming_the_file_and_the_offset(
     assert not out.parent.exists() or not list(out.parent.iterdir())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 @pytest.mark.parametrize("where", ["sysfs", "under_a_file"])
 def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, tiny_tokenizer,
                                                                  capsys, where):
@@ -241,7 +236,6 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, tiny_
     assert files_under(tmp_path) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tmp_path, tiny_tokenizer, capsys,
                                                            monkeypatch):
     import errno
