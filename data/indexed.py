@@ -37,6 +37,7 @@ def mcore() -> SimpleNamespace:
             from megatron.core.datasets.utils import Split
         _MCORE = SimpleNamespace(
             IndexedDataset=idx.IndexedDataset,
+            IndexReader=idx._IndexReader,  # the .idx alone (what IndexedDataset reads it with)
             IndexedDatasetBuilder=idx.IndexedDatasetBuilder,
             DType=idx.DType,
             GPTDataset=GPTDataset,

@@ -622,7 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ".arrow, else text)")
     p.add_argument("--text-doc", choices=["file", "line", "paragraph"], default="file",
                    help="plain text: one document per file, line, or blank-line-separated paragraph")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes; with --check, threads verifying checksums (default 1)")
     p.add_argument("--batch-bytes", type=int, default=1 << 20, help="input bytes per work item (default 1 MiB)")
     p.add_argument("--shard", metavar="I/N", help="write only shard I of N (0 <= I < N) to PREFIX_shardI; "
                                                   "skipped when already complete")
@@ -653,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_USAGE
         from data.check import check_prefixes
 
-        return check_prefixes(args.inputs)
+        return check_prefixes(args.inputs, workers=args.workers)
     try:
         job = _plan(args)
     except UsageError as e:
@@ -830,9 +831,10 @@ def _check_siblings(args, base: str, shard: Tuple[int, int]) -> None:
 def _is_same_complete_shard(job: Job) -> bool:
     """True when the shard on disk is complete and was made from the same work; a shard that
     differs is refused (UsageError naming the difference)."""
+    from data.check import index_problem
     from data.shards import dataset_problem, read_json
 
-    problem = dataset_problem(job.prefix)
+    problem = dataset_problem(job.prefix) or index_problem(job.prefix, read_json(job.prefix + ".json"))
     if problem is not None:
         raise UsageError(f"refusing to overwrite {job.prefix}: {problem} (pass --overwrite)")
     meta = read_json(job.prefix + ".json")

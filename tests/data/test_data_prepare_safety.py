@@ -149,7 +149,6 @@ def flip(path: str, offset: int) -> None:
 IDX_LENGTHS = 34  # megatron's .idx: 9-byte magic, version, dtype code, two counts, then lengths
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 8")
 @pytest.mark.parametrize("where", ["bin", "idx_lengths", "idx_pointers"])
 def test_check_catches_one_flipped_byte(tmp_path, tiny_tokenizer, capsys, where):
     corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
@@ -179,7 +178,6 @@ def test_check_catches_one_flipped_byte(tmp_path, tiny_tokenizer, capsys, where)
         assert json.loads(Path(f"{prefix}.json").read_text())["checksums"]["algorithm"] == "sha256"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 8")
 def test_check_without_recorded_checksums_says_so_and_still_checks_the_lengths(
         tmp_path, tiny_tokenizer, capsys):
     web = tmp_path / "web"
