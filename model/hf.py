@@ -628,8 +628,15 @@ def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], t
         if output.exists():  # empty, or --overwrite: the old one goes only once the new is whole
             old = output.parent / f".old-{output.name}-{os.getpid()}"
             os.replace(output, old)
-            os.replace(tmp, output)
-            shutil.rmtree(old)
+            try:
+                os.replace(tmp, output)
+            except BaseException:
+                os.replace(old, output)  # the previous export goes back where it was
+                raise
+            shutil.rmtree(old, ignore_errors=True)  # the new export is in place: not an error
+            if old.exists():
+                log.warning(f"the previous export could not be removed completely: what is left "
+                            f"of it is in {old}")
         else:
             os.replace(tmp, output)
     except BaseException:

@@ -172,3 +172,26 @@ def test_a_write_error_mid_export_is_one_line_and_exit_8_leaving_the_old_export(
     assert "cannot be written: No space left on device; nothing was replaced" in \
         one_error_line(capsys)
     assert files_under(tmp_path) == before
+
+
+def test_a_failed_rename_puts_the_previous_export_back(run, tmp_path, capsys, monkeypatch):
+    """The previous export is moved aside only once the new one is whole; should the new one's
+    rename then fail, the previous one goes back under its name (exit 8, one line)."""
+    import errno
+    import os
+
+    out = tmp_path / "hf"
+    assert hf_export.main([str(run), "--output", str(out)]) == 0
+    capsys.readouterr()
+    before = files_under(tmp_path)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 8
+    assert "cannot be written: Input/output error; nothing was replaced" in one_error_line(capsys)
+    assert files_under(tmp_path) == before
