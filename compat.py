@@ -26,13 +26,13 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    embedding forks the tracker around its dropout (language_model_embedding.py:145).
 5. `cpu_dist_checkpoint_save`: a patch. megatron's distributed-checkpoint save calls
    `torch.cuda.synchronize()` after staging tensors (`filesystem_async.py:230`) and allocates a
-   status flag on `torch.cuda.current_device()` (`state_dict_saver.py:252`). On a machine without
-   CUDA, and only for the duration of a save, those two names become "nothing to wait for" and
-   "the CPU".
+   status flag on `torch.cuda.current_device()` (`state_dict_saver.py:252`). For a CPU run (a
+   gloo run on a machine with a GPU too), and only for the duration of a save, those two names
+   become "nothing to wait for" and "the CPU".
 6. `cpu_sequence_parallel_buffers`: a patch. megatron's sequence-parallel communication
    allocates its gather / reduce-scatter outputs on `torch.cuda.current_device()`
-   (tensor_parallel/mappings.py:141,181, layers.py:559, utils.py:631 in 0.16.1). On a machine
-   without CUDA, and only while a step's forward and backward run with sequence parallelism,
+   (tensor_parallel/mappings.py:141,181, layers.py:559, utils.py:631 in 0.16.1). For a CPU run,
+   and only while a step's forward and backward run with sequence parallelism,
    that name returns "cpu"; the gloo collectives themselves run on CPU tensors.
 Items 1-4 select or replace; they never edit a library's globals.
 """
@@ -95,12 +95,13 @@ def te_no_autocast():
     return te.fp8_autocast(enabled=False)
 
 
-def seed_model_parallel_rng(seed: int) -> None:
-    """Seed RNGs as megatron does: a common stream, plus per-TP-rank streams on CUDA."""
+def seed_model_parallel_rng(seed: int, cuda: bool) -> None:
+    """Seed RNGs as megatron does: a common stream, plus per-TP-rank streams on a CUDA run
+    (`cuda`: the run's device is a GPU, not merely present)."""
     from megatron.core import tensor_parallel
 
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
+    if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return
     # On CPU there is nothing more to seed: use_cpu_initialization draws each full master
@@ -109,9 +110,10 @@ def seed_model_parallel_rng(seed: int) -> None:
 
 
 @contextmanager
-def cpu_dist_checkpoint_save():
-    """Let megatron's dist_checkpointing.save run on a CPU-only machine (see item 5)."""
-    if torch.cuda.is_available():
+def cpu_dist_checkpoint_save(cuda: bool):
+    """Let megatron's dist_checkpointing.save run for a CPU run (see item 5); `cuda`: the run's
+    device is a GPU."""
+    if cuda:
         yield
         return
     saved = torch.cuda.synchronize, torch.cuda.current_device
@@ -124,9 +126,10 @@ def cpu_dist_checkpoint_save():
 
 
 @contextmanager
-def cpu_sequence_parallel_buffers(sequence_parallel: bool):
-    """Let megatron's sequence-parallel mappings run on a CPU-only machine (see item 6)."""
-    if not sequence_parallel or torch.cuda.is_available():
+def cpu_sequence_parallel_buffers(sequence_parallel: bool, cuda: bool):
+    """Let megatron's sequence-parallel mappings run for a CPU run (see item 6); `cuda`: the
+    run's device is a GPU."""
+    if not sequence_parallel or cuda:
         yield
         return
     saved = torch.cuda.current_device

@@ -43,6 +43,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from model.device import cuda_present, probe_hardware
+
 from .machine import MachineLoad, device_info, load_average
 from .timing import SectionTimer, format_table, gemm_tflops, measure_interleaved
 
@@ -109,7 +111,7 @@ def _error(section: str, case: str, shape: str, path: str, exc: BaseException) -
 
 
 def _capability() -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return probe_hardware().cuda_capability
 
 
 def te_status(fmt: str) -> tuple[bool, str]:
@@ -333,11 +335,11 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
     rows, seconds, paths, notes = [], {}, {}, {}
     for fmt in ("bf16", "nvfp4"):
         precision = PrecisionConfig(name=fmt, format=fmt)
-        backend, reason = choose_backend(precision, model_cfg.spec)
+        backend, reason = choose_backend(precision, model_cfg.spec, probe_hardware(device))
         path = {"te": f"TE ({'NVFP4BlockScaling' if fmt == 'nvfp4' else 'bf16'})",
                 "emulated": "emulated (nvfp4_recipe, fast)" if fmt == "nvfp4" else "torch bf16"}[backend]
         try:
-            seed_model_parallel_rng(1234)
+            seed_model_parallel_rng(1234, cuda=device.type == "cuda")
             try:
                 built = build_model(model_cfg, precision, vocab_size=vocab, backend=backend,
                                     params_dtype=torch.bfloat16)
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parse_args(argv)
     started = time.perf_counter()
     if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if cuda_present() else "cpu")
     else:
         device = torch.device(args.device)
     cuda = device.type == "cuda"

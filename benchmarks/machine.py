@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from model.device import cuda_present, probe_hardware
+
 
 def cpu_model() -> str:
     """The CPU model name (lscpu, /proc/cpuinfo, or platform)."""
@@ -42,27 +44,33 @@ def cpu_model() -> str:
 
 
 def hardware_info() -> dict[str, object]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: the machine, and the device decision of a run on it
+    (model/device.py: the CPU's ISA, whether its BF16 GEMMs are native, what GEMMs compute in)."""
+    hardware = probe_hardware()
+    cpu = probe_hardware("cpu")
     info: dict[str, object] = {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": cpu.cpu_isa,
+        "cpu_bf16_gemms_native": cpu.bf16_gemms_native,
+        "cpu_gemm_compute": cpu.gemm_compute().describe(),
         "python": platform.python_version(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-    if torch.cuda.is_available():
+    if hardware.cuda:
         info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        info["gpu_capability"] = ".".join(map(str, hardware.cuda_capability))
     return info
 
 
 def machine_summary(info: dict[str, object] | None = None) -> str:
     """One line for a report: CPU, threads, torch, Python and the GPU, from hardware_info()."""
     info = info or hardware_info()
-    line = (f"{info['cpu']}, {info['cpu_count']} logical CPUs, torch {info['torch']} "
-            f"({info['torch_threads']} threads), Python {info['python']}")
+    line = (f"{info['cpu']}, {info['cpu_count']} logical CPUs ({info['cpu_capability']}, "
+            f"{'native' if info['cpu_bf16_gemms_native'] else 'no'} BF16 GEMMs), torch "
+            f"{info['torch']} ({info['torch_threads']} threads), Python {info['python']}")
     return line + (f", {info['gpu']} (sm {info['gpu_capability']})" if "gpu" in info else "")
 
 
@@ -124,10 +132,10 @@ def device_info() -> dict[str, object]:
     the known BF16 peak: everything a bench result must be reported with."""
     info = hardware_info()
     info["load_average"] = load_average()
-    info["cuda_available"] = torch.cuda.is_available()
+    info["cuda_available"] = cuda_present()
     info["cuda_runtime"] = torch.version.cuda
     gpu_name = None
-    if torch.cuda.is_available():
+    if cuda_present():
         props = torch.cuda.get_device_properties(0)
         gpu_name = props.name
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)

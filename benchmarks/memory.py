@@ -217,7 +217,7 @@ def measure(steps: int = 2, micro_batches: int = 2, micro_batch_size: int = 4,
     started = time.perf_counter()
     try:
         planned = build_plan(cfg, PlanConfig(gpus=1, backend="emulated"))
-        seed_model_parallel_rng(cfg.trainer.seed)
+        seed_model_parallel_rng(cfg.trainer.seed, cuda=False)
         # Warm-up on a 16x narrower model with the same recompute: faults in the library code
         # and kernels the real run uses (they count in RSS but are not part of the plan).
         tiny = dataclasses.replace(cfg, model=dataclasses.replace(

@@ -9,9 +9,11 @@ from typing import Callable
 
 import torch
 
+from model.device import cuda_present
+
 
 def _synchronize() -> None:
-    if torch.cuda.is_available():
+    if cuda_present():
         torch.cuda.synchronize()
 
 

@@ -56,6 +56,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from model.device import cuda_present
+
 SKIP_EXIT = 77  # launch/gpu_check.sh reports this exit status as "skipped" with the printed reason
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}  # relative L2; reasons in the docstring
 GRADS = ("x", "dt", "A", "B", "C", "D", "dt_bias")
@@ -123,7 +125,7 @@ def load_triton_ssd(autotune: bool = False) -> tuple[Optional[Callable], str]:
     """(mamba_chunk_scan_combined, how it was loaded) or (None, why it cannot run here)."""
     if autotune in _LOADED:
         return _LOADED[autotune]
-    if not torch.cuda.is_available():
+    if not cuda_present():
         result = None, "needs a CUDA device (mamba_ssm's SSD scan is Triton kernels); none visible to torch"
     elif importlib.util.find_spec("triton") is None:
         result = None, "triton is not installed"

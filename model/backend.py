@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from nvfp4_recipe.policy import PrecisionConfig
+
+from .device import Hardware, probe_hardware
 
 SPECS = ("auto", "portable", "te")
 SPEC_OF_BACKEND = {"te": "te", "emulated": "portable"}  # TE layers do their own GEMMs
@@ -29,7 +29,7 @@ SPEC_OF_BACKEND = {"te": "te", "emulated": "portable"}  # TE layers do their own
 class Machine:
     """What this machine offers the model (plain values, so tests can state any machine)."""
 
-    capability: Optional[tuple[int, int]]  # None: no CUDA device
+    capability: Optional[tuple[int, int]]  # None: a CPU run (Hardware.cuda_capability)
     te_recipe: tuple[bool, str]  # transformer_engine imports and runs the recipe here, or why not
     mamba_ssm: bool  # imports (Triton SSD scan, gated RMSNorm)
     causal_conv1d: bool  # imports
@@ -92,20 +92,23 @@ def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine
                                      f"Mamba convolution: {conv}")
 
 
-def probe_machine(precision: PrecisionConfig) -> Machine:
-    """Probe this machine for `select_backend` (imports TE and the Mamba kernels; never raises)."""
+def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
+    """What the run's device offers `select_backend` (imports TE and the Mamba kernels on a CUDA
+    run; never raises)."""
     from nvfp4_recipe.megatron.te_mapping import probe_te_support
 
     from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels
 
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    kernels = mamba_kernels()
-    packages = {KERNEL_PACKAGES[name] for name in kernels}
+    capability = hardware.cuda_capability
+    packages = {KERNEL_PACKAGES[name] for name in mamba_kernels(hardware.cuda)}
     return Machine(capability=capability, te_recipe=probe_te_support(precision, capability),
                    mamba_ssm="mamba_ssm" in packages, causal_conv1d="causal_conv1d" in packages)
 
 
-def choose_backend(precision: PrecisionConfig, model_spec: str = "auto") -> tuple[str, str]:
-    """("te" | "emulated", reason) for this machine; the spec family follows the backend."""
-    choice = select_backend(precision, model_spec, probe_machine(precision))
+def choose_backend(precision: PrecisionConfig, model_spec: str = "auto",
+                   hardware: Optional[Hardware] = None) -> tuple[str, str]:
+    """("te" | "emulated", reason) on the run's `hardware` (default: the device a run would
+    take here); the spec family follows the backend."""
+    hardware = hardware or probe_hardware()
+    choice = select_backend(precision, model_spec, probe_machine(precision, hardware))
     return choice.gemm_backend, choice.reason

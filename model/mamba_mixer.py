@@ -106,14 +106,15 @@ def _load_kernels() -> dict:
     return _KERNELS
 
 
-def mamba_kernels() -> dict:
-    """The mamba_ssm / causal_conv1d kernels the mixer would use here (none without CUDA)."""
-    return dict(_load_kernels()) if torch.cuda.is_available() else {}
+def mamba_kernels(cuda: bool) -> dict:
+    """The mamba_ssm / causal_conv1d kernels the mixer would use on a run whose device is a GPU
+    (`cuda`; none on a CPU run)."""
+    return dict(_load_kernels()) if cuda else {}
 
 
-def mamba_kernels_available() -> bool:
-    """True when CUDA is available and mamba_ssm + causal_conv1d import."""
-    return len(mamba_kernels()) == len(KERNEL_PACKAGES)
+def mamba_kernels_available(cuda: bool) -> bool:
+    """True on a CUDA run where mamba_ssm + causal_conv1d import."""
+    return len(mamba_kernels(cuda)) == len(KERNEL_PACKAGES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,9 +236,8 @@ def _tp_consistent_init(init_method, parts: list[int], tp_size: int):
 
 def _param_rng_context():
     """megatron initialises conv1d / dt / A under the model-parallel CUDA RNG fork (distinct
-    values per TP rank). Use it when it exists; on CPU there is no tracker: default RNG."""
-    if not torch.cuda.is_available():
-        return contextlib.nullcontext()
+    values per TP rank). Use it when it exists: a CUDA run seeds it (compat.seed_model_parallel_rng);
+    a CPU run has no such stream, and draws from the default RNG."""
     try:
         from megatron.core.tensor_parallel.random import (
             _MODEL_PARALLEL_RNG_TRACKER_NAME,
@@ -324,11 +324,9 @@ class MambaMixer(MegatronModule):
         self._set_sizes(config)
 
         # Parameters are created on the CUDA device unless use_cpu_initialization (then on the
-        # ambient default device, so `with torch.device("meta"):` works).
-        if config.use_cpu_initialization or not torch.cuda.is_available():
-            device = None
-        else:
-            device = torch.cuda.current_device()
+        # ambient default device, so `with torch.device("meta"):` works), as megatron's layers
+        # do (mc 0.16.1 tensor_parallel/layers.py:806-835); the project always builds with it.
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
         params_dtype = config.params_dtype
 
         # The order below is the order of the random draws: it decides the initial weights.

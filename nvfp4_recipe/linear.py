@@ -12,7 +12,9 @@ block for the Wgrad operands (zeros add nothing to dW). K and N must be multiple
 
 GEMMs: operands are the exact q*s values; config.gemm = "fast" runs a bf16 GEMM (FP32 accumulation
 inside, output rounded to bf16) and applies the FP32 tensor scales to that output (one extra rounding,
-<= 1 bf16 ulp), "exact" runs it in FP32. Bias and all accumulation stay in high precision.
+<= 1 bf16 ulp), "exact" runs it in FP32. Bias and all accumulation stay in high precision. Where BF16
+GEMMs compute in FP32 (nvfp4_recipe/compute.py), "fast" writes its operands in FP32 and rounds the
+GEMM's output to bf16: the same numbers, without a BF16 kernel or a conversion pass.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nvfp4_recipe.compute import fp32_gemms_active
 from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
 from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values, quantize_fp8_block
 from nvfp4_recipe.hadamard import rht_matrix
@@ -47,15 +50,19 @@ class GemmOperand(NamedTuple):
         return GemmOperand(self.values.t(), self.decode_scale)
 
 
-def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
+def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+                  gemm_out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a.values @ b.values^T (both (rows, reduction)) times both FP32 decode scales, in `out_dtype`.
 
-    The GEMM's output (bf16 for "fast", FP32 for "exact") times the FP32 scale product is rounded
+    The GEMM's output (bf16 for "fast", FP32 for "exact"; `gemm_out_dtype` rounds an FP32 GEMM's
+    output to bf16 as a BF16 GEMM would, for "fast" under FP32Gemms) times the FP32 scale product is rounded
     once to FP32 and then to out_dtype. On CPU a bf16 output multiplied in place by the 0-d FP32
     scale computes in FP32 and rounds once (tests/nvfp4_recipe/test_nvfp4_linear.py checks it), saving two
     casts; CUDA kernels would round that scale to bf16 first, so there the output is cast up.
     """
     out = torch.mm(a.values, b.values.t())
+    if gemm_out_dtype is not None and out.dtype != gemm_out_dtype:
+        out = out.to(gemm_out_dtype)
     if out.dtype != torch.float32 and (out.dtype != out_dtype or not out.is_cpu):
         out = out.float()
     if a.decode_scale is not None and b.decode_scale is not None:
@@ -73,7 +80,9 @@ class _FormatOps:
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
-        self.gemm_dtype = torch.bfloat16 if config.gemm == "fast" else torch.float32
+        # The GEMM's output dtype, and its operands' (FP32 where BF16 GEMMs compute in FP32).
+        self.gemm_out_dtype = torch.bfloat16 if config.gemm == "fast" else torch.float32
+        self.gemm_dtype = torch.float32 if fp32_gemms_active() else self.gemm_out_dtype
 
     def check_shapes(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -187,7 +196,7 @@ class _FP8BlockOps(_FormatOps):
     def __init__(self, config: FP8BlockConfig) -> None:
         super().__init__(config)
         if not config.power_2_scales:  # q * (1/scale) is exact in bf16 only for power-of-two scales
-            self.gemm_dtype = torch.float32
+            self.gemm_dtype = self.gemm_out_dtype = torch.float32
 
     def _q(self, t, block=(1, FP8_BLOCK)):
         values = fp8_block_dequantized_values(t, block, self.config.power_2_scales, self.gemm_dtype)
@@ -309,9 +318,9 @@ class _QuantizedLinear(torch.autograd.Function):
                 activation = ops.activation(x2d)
             with part(GEMM):
                 if bias is None:
-                    y = emulated_gemm(activation, weight_operand, x.dtype)
+                    y = emulated_gemm(activation, weight_operand, x.dtype, ops.gemm_out_dtype)
                 else:  # bias added in FP32, then one rounding
-                    y = emulated_gemm(activation, weight_operand, torch.float32)
+                    y = emulated_gemm(activation, weight_operand, torch.float32, ops.gemm_out_dtype)
                     y = y.add_(bias.float()).to(x.dtype)
         else:
             y = F.linear(x2d, weight, bias)
@@ -347,12 +356,12 @@ class _QuantizedLinear(torch.autograd.Function):
                         if cache is not None:
                             cache.dgrad = weight_operand
                 with part(GEMM):
-                    dx = emulated_gemm(dgrad_operand, weight_operand, ctx.x_dtype)
+                    dx = emulated_gemm(dgrad_operand, weight_operand, ctx.x_dtype, ops.gemm_out_dtype)
             if ctx.needs_input_grad[1]:
                 with part(QUANTIZE):
                     dw_operands = ops.grad_wgrad(dy2d, ctx.generator), ops.activation_wgrad(x2d)
                 with part(GEMM):
-                    dw = emulated_gemm(*dw_operands, weight.dtype)
+                    dw = emulated_gemm(*dw_operands, weight.dtype, ops.gemm_out_dtype)
         if dx is not None:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         if dw is not None:

@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .compute import GEMM_COMPUTE
 from .config import Gemm
 from .kernels import KERNEL_MODES, use_compiled
 from .registry import Format, format_names, format_spec, is_format
@@ -36,6 +37,8 @@ class SwitchPasses(StrEnum):
 
 # How the emulation's quantizers run: nvfp4_recipe.kernels' modes.
 Kernels = StrEnum("Kernels", [(mode, mode) for mode in KERNEL_MODES], module=__name__)
+# What BF16 GEMMs compute in: nvfp4_recipe.compute's policy.
+GemmComputeChoice = StrEnum("GemmComputeChoice", [(c, c) for c in GEMM_COMPUTE], module=__name__)
 
 
 @dataclass
@@ -69,6 +72,10 @@ class PrecisionConfig:
     gemm: Gemm = Gemm.fast
     # Emulation quantizers: "auto" (compiled on CPU when a C++ compiler exists), "eager", "compiled".
     kernels: Kernels = Kernels.auto
+    # What BF16 GEMMs compute in: "auto" = BF16 where the device multiplies BF16 natively (GPUs,
+    # AVX512/AMX/Arm-BF16 CPUs), else FP32 on the same BF16 values (nvfp4_recipe/compute.py);
+    # "bf16" / "fp32" force a side on a CPU, for comparisons.
+    gemm_compute: GemmComputeChoice = GemmComputeChoice.auto
     # Quantization diagnostics every N optimizer steps (0 = off).
     diagnostics_every: int = 0
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
@@ -103,6 +110,7 @@ def validate_precision(cfg: PrecisionConfig) -> None:
         raise ValueError(f"precision.format={cfg.format!r}: choose one of {format_names()}")
     for key, value, choices in (("backend", cfg.backend, Backend), ("gemm", cfg.gemm, Gemm),
                                 ("kernels", cfg.kernels, Kernels),
+                                ("gemm_compute", cfg.gemm_compute, GemmComputeChoice),
                                 ("switch_to_bf16.passes", cfg.switch_to_bf16.passes, SwitchPasses)):
         if value not in tuple(choices):
             raise ValueError(f"precision.{key}={value!r}: choose one of {', '.join(choices)}")

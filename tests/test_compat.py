@@ -63,13 +63,14 @@ def test_dist_checkpoint_save_still_needs_the_cpu_patch():
     assert "device=torch.cuda.current_device()" in inspect.getsource(state_dict_saver)
 
 
-def test_cpu_dist_checkpoint_patch_is_scoped():
+def test_cpu_dist_checkpoint_patch_is_scoped_to_cpu_runs():
     before = torch.cuda.synchronize, torch.cuda.current_device
-    with compat.cpu_dist_checkpoint_save():
-        if not torch.cuda.is_available():
-            assert torch.cuda.current_device() == "cpu"
-            assert torch.cuda.synchronize() is None
+    with compat.cpu_dist_checkpoint_save(cuda=False):  # a CPU run, also on a host with a GPU
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.cuda.synchronize() is None
     assert (torch.cuda.synchronize, torch.cuda.current_device) == before
+    with compat.cpu_dist_checkpoint_save(cuda=True):  # a CUDA run: megatron's own calls
+        assert (torch.cuda.synchronize, torch.cuda.current_device) == before
 
 
 @pytest.mark.parametrize("release,expected", [("2.8", "fp8_autocast"), ("2.9", "autocast")])
@@ -102,22 +103,25 @@ def test_sequence_parallel_mappings_still_allocate_on_the_cuda_device():
 
 def test_cpu_sequence_parallel_patch_is_scoped_and_only_with_sequence_parallelism():
     before = torch.cuda.current_device
-    with compat.cpu_sequence_parallel_buffers(False):
+    with compat.cpu_sequence_parallel_buffers(False, cuda=False):
         assert torch.cuda.current_device is before
-    with compat.cpu_sequence_parallel_buffers(True):
-        if not torch.cuda.is_available():
-            assert torch.cuda.current_device() == "cpu"
-            assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    with compat.cpu_sequence_parallel_buffers(True, cuda=True):  # a CUDA run: nothing patched
+        assert torch.cuda.current_device is before
+    # A CPU run, also a gloo run on a host with a GPU (issue 25: the patch used to be skipped
+    # whenever some GPU was present, and megatron's buffers then landed on CUDA).
+    with compat.cpu_sequence_parallel_buffers(True, cuda=False):
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
     assert torch.cuda.current_device is before
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 def test_cpu_seeding_installs_megatrons_no_op_rng_tracker():
     """compat item 4: the sequence-parallel embedding forks the tracker around its dropout
-    (language_model_embedding.py:145, mc 0.16.1); on CPU that fork must be a null context."""
+    (language_model_embedding.py:145, mc 0.16.1); on a CPU run that fork must be a null context,
+    whether or not the host has a GPU."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    compat.seed_model_parallel_rng(3)
+    compat.seed_model_parallel_rng(3, cuda=False)
     with get_cuda_rng_tracker().fork():
         drawn = torch.rand(2)
     torch.manual_seed(3)

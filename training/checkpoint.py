@@ -28,11 +28,14 @@ unusable one at a step being saved again) is moved to checkpoints/abandoned-<UTC
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -57,6 +60,11 @@ class NoUsableCheckpoint(Exception):
 
 class CheckpointMismatch(ValueError):
     """The checkpoint was written for another model (shapes or keys differ)."""
+
+
+class CheckpointNotWritten(Exception):
+    """The file system refused a checkpoint (disk full, quota, read-only): its temporary is gone
+    and the checkpoints before it are untouched. The message is one line naming the OS error."""
 
 
 def step_dir_name(step: int) -> str:
@@ -128,15 +136,16 @@ def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
     return {"model": model_state, "optimizer": optim_state}
 
 
-def _rng_state() -> dict[str, Optional[torch.Tensor]]:
+def _rng_state(ctx: ParallelContext) -> dict[str, Optional[torch.Tensor]]:
+    """This rank's RNG streams: the CPU's, and its GPU's on a CUDA run."""
     return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state(ctx.device) if ctx.hardware.cuda else None}
 
 
-def _restore_rng(state: dict[str, Optional[torch.Tensor]]) -> None:
+def _restore_rng(state: dict[str, Optional[torch.Tensor]], ctx: ParallelContext) -> None:
     torch.set_rng_state(state["cpu"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if state["cuda"] is not None and ctx.hardware.cuda:
+        torch.cuda.set_rng_state(state["cuda"], ctx.device)
 
 
 def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
@@ -145,35 +154,140 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     """Write step_N atomically: model, optimizer and this rank's RNG from their objects, and
     `trainer_state` (the trainer's state_dict) as trainer.pt. `skipped_since_previous` (steps
     skipped for a non-finite loss since the previous checkpoint) goes into the manifest: 0 marks
-    a clean checkpoint."""
+    a clean checkpoint.
+
+    A write the file system refuses (disk full, quota, read-only), wherever the writers surface
+    it, raises CheckpointNotWritten on every rank once rank 0 removed the temporary."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from compat import cpu_dist_checkpoint_save
 
     final = root / step_dir_name(step)
     tmp = _make_temporary(root, step, ctx)
-    with cpu_dist_checkpoint_save():
-        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
-                                str(tmp / "dist"))
-    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
+    failure = None
+    try:
+        with cpu_dist_checkpoint_save(ctx.hardware.cuda):
+            dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
+                                    str(tmp / "dist"))
+        _write_pt(_rng_state(ctx), tmp / f"rng_rank{ctx.rank}.pt")
+        if ctx.is_main:
+            _write_pt(trainer_state, tmp / "trainer.pt")
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the writers wrap OS
+        failure = _not_written(exc, final, tmp)      # errors (CheckpointException: a BaseException)
+    _agree_or_raise(failure, ctx, final, tmp)
     if ctx.is_main:
-        torch.save(trainer_state, tmp / "trainer.pt")
-    barrier()
-    if ctx.is_main:
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
-                    "pipeline": ctx.pipeline, "optimizer_format": optimizer_format,
-                    "skipped_since_previous": skipped_since_previous,
-                    "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
-                                                        "sha256": _sha256(p)}
-                              for p in files}}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if os.path.lexists(final):  # kept, out of the way, and said for what it is
-            set_aside(root, [final], _why_replaced(final))
-        os.replace(tmp, final)
-        _apply_retention(root, keep_last)
-    barrier()
+        try:
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
+                        "pipeline": ctx.pipeline, "optimizer_format": optimizer_format,
+                        "skipped_since_previous": skipped_since_previous,
+                        "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
+                                                            "sha256": _sha256(p)}
+                                  for p in files}}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if os.path.lexists(final):  # kept, out of the way, and said for what it is
+                set_aside(root, [final], _why_replaced(final))
+            os.replace(tmp, final)
+            _apply_retention(root, keep_last)
+        except OSError as exc:  # the manifest, set_aside's directory
+            failure = _not_written(exc, final, tmp)
+    _agree_or_raise(failure, ctx, final, tmp)
     return final
+
+
+def _write_pt(obj, path: Path) -> None:
+    """torch.save through a buffer, so that a full disk is an OSError with its errno (torch's zip
+    writer says only "unexpected pos")."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:\n]+)")
+
+
+def _os_error_in(exc: BaseException) -> Optional[OSError]:
+    """The OSError inside an exception as the checkpoint writers wrap it: causes and contexts,
+    CheckpointException.failures (per rank), torch's (exception, traceback) pairs, and, where a
+    worker process's error came back as text only ("Worker failure: [Errno 28] No space left on
+    device"), the errno its message names."""
+    todo, seen = [exc], set()
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, (tuple, list)):
+            todo.extend(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno:
+            return item
+        found = _ERRNO_TEXT.search(str(item))
+        if found:
+            return OSError(int(found.group(1)), found.group(2).strip())
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+        todo.extend((item.__cause__, item.__context__))
+    return None
+
+
+def _space_probe(directory: Path) -> Optional[OSError]:
+    """The OSError that writing 1 MiB into `directory` meets now (ENOSPC on a full disk), or
+    None. For a writer failure without an errno: megatron's forked writers hand back torch.save's
+    "unexpected pos" when the disk fills."""
+    probe = directory / ".space-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            data = memoryview(bytes(1 << 20))
+            while data:  # a write short of the whole is no error yet: the next one says ENOSPC
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return None
+
+
+def _not_written(exc: BaseException, final: Path, tmp: Path) -> str:
+    """Why the file system refused the checkpoint, in one line; anything else is re-raised."""
+    os_error = _os_error_in(exc) or _space_probe(tmp)
+    if os_error is None:
+        raise exc
+    where = f" ({os_error.filename})" if getattr(os_error, "filename", None) else ""
+    fix = ("free space (or raise the quota) where run.dir lives"
+           if os_error.errno in (errno.ENOSPC, errno.EDQUOT) else "make run.dir writable")
+    return (f"checkpoint {final.name} could not be written into {final.parent}: "
+            f"{os_error.strerror or os_error}{where}; its temporary was removed and the "
+            f"checkpoints before it are intact: {fix}, then run again to resume from the newest")
+
+
+def _agree_or_raise(failure: Optional[str], ctx: ParallelContext, final: Path, tmp: Path) -> None:
+    """Every rank learns whether any rank failed (this is also the save's barrier); if one did,
+    rank 0 removes the temporary and every rank raises CheckpointNotWritten."""
+    failed = failure is not None
+    if ctx.world_size > 1:
+        import torch.distributed as dist
+
+        flag = torch.tensor(float(failed), device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if not failed:
+        return
+    if ctx.is_main:
+        remove_temporary(tmp)
+    barrier()
+    raise CheckpointNotWritten(failure or f"checkpoint {final.name} could not be written into "
+                               f"{final.parent}: another rank failed (see its error)")
 
 
 def _make_temporary(root: Path, step: int, ctx: ParallelContext) -> Path:
@@ -192,7 +306,6 @@ def _make_temporary(root: Path, step: int, ctx: ParallelContext) -> Path:
     return tmp
 
 
-def _is_clean(path: Path) -> bool:
 def _why_replaced(final: Path) -> str:
     problem = (verify_checkpoint(final) if final.is_dir() and not final.is_symlink()
                else "not a checkpoint directory")
@@ -202,6 +315,7 @@ def _why_replaced(final: Path) -> str:
             "not resume from; this run's own replaces it")
 
 
+def _is_clean(path: Path) -> bool:
     """Written with no step skipped (non-finite loss) since the previous checkpoint."""
     try:
         return json.loads((path / MANIFEST).read_text()).get("skipped_since_previous", 0) == 0
@@ -260,7 +374,6 @@ def verify_checkpoint(path: Path) -> Optional[str]:
                  for name, meta in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"unreadable manifest ({type(exc).__name__}: {exc})"
-    for name, (size, sha256) in files.items():
     named, saved = named_step(path), _manifest_step(path)
     if named is None:
         return f"its name {path.name} is not {PREFIX}<step>"
@@ -270,6 +383,7 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         return (f"its manifest says step {saved} but its name {path.name} says step {named} "
                 f"(renamed?); a checkpoint is used only under its own step's name "
                 f"({step_dir_name(saved)})")
+    for name, (size, sha256) in files.items():
         file = path / name
         if not file.exists():
             return f"missing {name}"
@@ -381,6 +495,6 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     # Another layout draws other stochastic-rounding streams anyway: keep the fresh RNG then.
     if same_layout and rng_file.exists():
-        _restore_rng(_load_pt(rng_file))
+        _restore_rng(_load_pt(rng_file), ctx)
     return {"trainer": trainer, "resharded": not same_layout,
             "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"])}

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from model.device import Hardware, cuda_present, probe_hardware
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,13 @@ class ParallelContext:
     pipeline_rank: int
     data_rank: int
     device: torch.device
+    # What `device` offers (model/device.py): every device-dependent choice reads it. Probed
+    # from `device` when not given; tests state any machine here.
+    hardware: Optional[Hardware] = None
+
+    def __post_init__(self):
+        if self.hardware is None and self.device is not None:
+            object.__setattr__(self, "hardware", probe_hardware(self.device))
 
     @property
     def is_main(self) -> bool:
@@ -46,7 +56,7 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> Paral
     from megatron.core import parallel_state
 
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if cuda_present() else "gloo"
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

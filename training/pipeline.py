@@ -16,12 +16,13 @@ number of micro-batches — once. Then `config.finalize_model_grads_func` (megat
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from compat import cpu_sequence_parallel_buffers
+from nvfp4_recipe.compute import GemmCompute
 
 from .distributed import ParallelContext
 
@@ -61,19 +62,24 @@ def mean_micro_batch_loss(reports: list[dict], n: int, device) -> torch.Tensor:
 
 
 def run_micro_batches(model: torch.nn.Module, micro_batches: list[dict], ctx: ParallelContext,
-                      activation_shape: tuple[int, ...], forward_only: bool = False) -> torch.Tensor:
-    """One step's forward (and backward) with gradients synced; the loss on every stage."""
+                      activation_shape: tuple[int, ...], forward_only: bool = False,
+                      gemm: Optional[GemmCompute] = None) -> torch.Tensor:
+    """One step's forward (and backward) with gradients synced; the loss on every stage.
+
+    Its GEMMs compute as `gemm` says (default: this device's `auto` policy): on a CPU without
+    BF16 instructions, in FP32 on the BF16 values (nvfp4_recipe/compute.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
     n = len(micro_batches)
     forward_step = make_forward_step(ctx)
+    gemm = gemm or ctx.hardware.gemm_compute()
     if ctx.device.type == "cuda":
         reports = _megatron_schedule(model, micro_batches, forward_step, activation_shape,
                                      forward_only)
     else:
-        with cpu_sequence_parallel_buffers(config.sequence_parallel):
+        with cpu_sequence_parallel_buffers(config.sequence_parallel, cuda=False), gemm.context():
             if ctx.pipeline == 1:
                 reports = _accumulate(model, micro_batches, forward_step, config, forward_only)
             else:

@@ -22,17 +22,18 @@ def preflight_backends(precision, model_spec: str) -> tuple[str, ...]:
     return ("emulated",) if "mxfp4" in low_precision_formats(precision) else ("te", "emulated")
 
 
-def probe_device(cfg, activation_dtype: str = "bf16"):
-    """This machine's GPU and Transformer Engine release for the known-bad table (None without
-    a GPU). Reads TE's version from its package metadata: nothing is imported."""
+def probe_device(cfg, activation_dtype: str = "bf16", hardware=None):
+    """The run's GPU (`hardware`, model/device.py; default: the device a run would take here)
+    and Transformer Engine release for the known-bad table (None on a CPU run). Reads TE's
+    version from its package metadata: nothing is imported."""
     import importlib.metadata
 
-    import torch
-
+    from model.device import probe_hardware
     from nvfp4_recipe.policy import low_precision_formats
     from nvfp4_recipe.preflight import DeviceSetting
 
-    if not torch.cuda.is_available():
+    hardware = hardware or probe_hardware()
+    if not hardware.cuda:
         return None
     te_version = None
     for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
@@ -42,7 +43,7 @@ def probe_device(cfg, activation_dtype: str = "bf16"):
         except importlib.metadata.PackageNotFoundError:
             continue
     p = cfg.precision
-    return DeviceSetting(capability=tuple(torch.cuda.get_device_capability()),
+    return DeviceSetting(capability=hardware.cuda_capability,
                          te_version=te_version, formats=tuple(low_precision_formats(p)),
                          rht=p.rht, stochastic_rounding=p.stochastic_rounding,
                          activation_dtype=activation_dtype)
@@ -98,8 +99,9 @@ def preflight(cfg, backends, device=None):
     return report
 
 
-def run_preflight(cfg, backend: str, activation_dtype: str = "bf16"):
-    """The start-up preflight of a run on `backend` ("te" | "emulated"); the device is probed
-    only for TE. Its `refusal()` stops the run before anything is written (exit 2)."""
-    device = probe_device(cfg, activation_dtype) if backend == "te" else None
+def run_preflight(cfg, backend: str, hardware, activation_dtype: str = "bf16"):
+    """The start-up preflight of a run on `backend` ("te" | "emulated") and `hardware` (the
+    run's, model/device.py); the device is checked only for TE. Its `refusal()` stops the run
+    before anything is written (exit 2)."""
+    device = probe_device(cfg, activation_dtype, hardware) if backend == "te" else None
     return preflight(cfg, (backend,), device)

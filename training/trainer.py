@@ -121,13 +121,15 @@ class Trainer:
         self.total_tokens = tr.max_steps * self.tokens_per_step
         self.micro_batches = tr.global_batch_size // (tr.micro_batch_size * ctx.data)
 
-        seed_model_parallel_rng(tr.seed)  # megatron's CUDA RNG tracker on GPUs
+        seed_model_parallel_rng(tr.seed, ctx.hardware.cuda)  # megatron's CUDA RNG tracker on GPUs
         self.data = build_data(
             cfg.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
             global_batch_size=tr.global_batch_size, total_tokens=self.total_tokens,
             seed=tr.seed, dp_rank=ctx.data_rank, dp_size=ctx.data, show_progress=ctx.is_main,
         )
-        backend, reason = choose_backend(cfg.precision, cfg.model.spec)
+        backend, reason = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)
+        # What BF16 GEMMs compute in on this device (nvfp4_recipe/compute.py).
+        self.gemm = ctx.hardware.gemm_compute(cfg.precision.gemm_compute)
         self.built = build_model(
             cfg.model, cfg.precision, vocab_size=self.data.vocab_size,
             tensor_parallel=ctx.tensor, pipeline_parallel=ctx.pipeline, backend=backend,
@@ -158,12 +160,13 @@ class Trainer:
         self.consecutive_skips = 0  # skipped steps in a row, up to trainer.max_consecutive_skips
         self.skipped_at_last_save = 0  # skipped_steps when the previous checkpoint was written
         self.wandb_id: Optional[str] = None
+        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
         self.val_batches = self.data.validation_batches(tr.eval_batches)
         for line in self.precision.describe(backend, reason, ctx.device):
-        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
             log.info(line)
+        log.info(f"device: {ctx.hardware.describe()}; {self.gemm.describe()}")
         if self.precision.quantizes:
-            for line in (preflight or run_preflight(cfg, backend)).summary():
+            for line in (preflight or run_preflight(cfg, backend, ctx.hardware)).summary():
                 log.info(line)
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
@@ -201,11 +204,14 @@ class Trainer:
         if not finite.item():
             log.error("not writing a checkpoint: the weights contain NaN/Inf")
             return
-        path = ckpt.save_checkpoint(
-            self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
-            optimizer_format=self.optimizer_format,
-            trainer_state=self.state_dict(), keep_last=self.cfg.trainer.keep_last,
-            skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
+        try:
+            path = ckpt.save_checkpoint(
+                self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
+                optimizer_format=self.optimizer_format,
+                trainer_state=self.state_dict(), keep_last=self.cfg.trainer.keep_last,
+                skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
+        except ckpt.CheckpointNotWritten as exc:  # disk full, quota, read-only
+            raise TrainingError(str(exc), ExitCode.RUN_DIR_UNWRITABLE) from None
         self.skipped_at_last_save = self.skipped_steps
         log.info(f"saved checkpoint {path}")
 
@@ -222,10 +228,10 @@ class Trainer:
         except ckpt.CheckpointMismatch as exc:
             raise TrainingError(str(exc), ExitCode.CONFIG) from None
         self.load_state_dict(state["trainer"])
+        self.resumed_from = path
         if state["resharded"]:
             t, p, w = state["layout"]
             log.info(f"resharded from tensor {t} x pipeline {p} ({w} processes) to tensor "
-        self.resumed_from = path
                      f"{self.ctx.tensor} x pipeline {self.ctx.pipeline} ({self.ctx.world_size})")
         log.info(f"resumed from {path} at step {self.step}")
 
@@ -248,7 +254,8 @@ class Trainer:
                 sink.event(self.step, name, **fields)
         self.grad_health.begin_step()
         # Forward, backward and the data-parallel gradient sync (megatron's finalize_model_grads).
-        total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape)
+        total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape,
+                                  gemm=self.gemm)
         precision_metrics = self.precision.after_step(self.step)
         loss = self._all_reduce_mean(total, parallel_state.get_data_parallel_group()).item()
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
@@ -319,7 +326,7 @@ class Trainer:
         self.model.eval()
         self.precision.before_evaluation()
         loss = run_micro_batches(self.model, self.val_batches, self.ctx, self.activation_shape,
-                                 forward_only=True)
+                                 forward_only=True, gemm=self.gemm)
         return self._all_reduce_mean(loss, parallel_state.get_data_parallel_group()).item()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -343,12 +350,12 @@ class Trainer:
         sink = MetricsSink(self.run_dir, self.ctx.is_main, wandb_run)
         if cfg.run.resume == "restart":  # metrics.jsonl: the steps that follow start over
             sink.event(0, "restart", set_aside=str(set_aside) if set_aside else None)
+        if self.resumed_from is not None:  # the steps after it may be logged a second time
+            sink.event(self.step, "resume", checkpoint=self.resumed_from.name)
         if self.step >= tr.max_steps:
             log.info(f"run already complete ({self.step}/{tr.max_steps} steps)")
         start_step, t_start = self.step, time.perf_counter()
         try:
-        if self.resumed_from is not None:  # the steps after it may be logged a second time
-            sink.event(self.step, "resume", checkpoint=self.resumed_from.name)
             while self.step < tr.max_steps:
                 t0 = time.perf_counter()
                 micro_batches = self.data.train.next_global_batch()
@@ -493,11 +500,11 @@ def run(cfg) -> int:
             return dry_run(cfg, ctx)
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
         validate(cfg, ctx.world_size)  # every group, data files included: before anything is written
-        backend = choose_backend(cfg.precision, cfg.model.spec)[0]
+        backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
         if backend == "te":
             switch = cfg.precision.switch_to_bf16
             check_te_switch(switch.passes, switch.at_fraction)
-        preflight = run_preflight(cfg, backend)
+        preflight = run_preflight(cfg, backend, ctx.hardware)
         refusal = preflight.refusal()  # also: an override matching nothing
         if refusal:
             raise ValueError(refusal)

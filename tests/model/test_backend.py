@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from model.backend import Machine, select_backend
+from model.device import Hardware
 from model.build import choose_backend  # where the trainer, plan and bench import it from
 from nvfp4_recipe.policy import PrecisionConfig
 
@@ -96,8 +97,6 @@ def _fake_gpu(monkeypatch, capability, *, te_checks, kernels):
     Mamba kernels importable."""
     import model.mamba_mixer as mm
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     manager = type("FP8GlobalStateManager", (), {
         name: classmethod(lambda cls, _a=answer: _a) for name, answer in te_checks.items()})
     te = types.ModuleType("transformer_engine")
@@ -109,29 +108,37 @@ def _fake_gpu(monkeypatch, capability, *, te_checks, kernels):
                          ("transformer_engine.pytorch.quantization", quantization)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(mm, "_KERNELS", {name: object() for name in kernels})
+    return Hardware(device_type="cuda", cuda_capability=capability, cpu_isa="AVX512",
+                    bf16_gemms_native=True)
 
 
 def test_choose_backend_on_blackwell_with_te_but_no_mamba_ssm(monkeypatch):
     """issue 12, F: today's code picked TE here and megatron's MambaMixer raised ImportError."""
-    _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")}, kernels=())
-    backend, reason = choose_backend(NVFP4)
+    gpu = _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
+                    kernels=())
+    backend, reason = choose_backend(NVFP4, "auto", gpu)
     assert backend == "emulated"
     assert reason.startswith("portable spec: mamba_ssm not importable")
-    _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
-              kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
-    assert choose_backend(NVFP4)[0] == "te"
-    assert choose_backend(NVFP4, "portable")[0] == "emulated"
+    gpu = _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
+                    kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
+    assert choose_backend(NVFP4, "auto", gpu)[0] == "te"
+    assert choose_backend(NVFP4, "portable", gpu)[0] == "emulated"
+    # The same host, a CPU run (parallel.backend=gloo): no TE, no Mamba kernels.
+    cpu_run = Hardware(device_type="cpu", cuda_capability=None, cpu_isa="AVX512",
+                       bf16_gemms_native=True)
+    assert choose_backend(NVFP4, "auto", cpu_run) == ("emulated", "portable spec: no CUDA device")
 
 
 def test_choose_backend_asks_te_about_fp8_block_scaling(monkeypatch):
     """issue 12, E: Hopper with CUDA < 12.9: TE says no, auto falls back with TE's reason."""
     reason = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
-    _fake_gpu(monkeypatch, (9, 0), te_checks={"is_fp8_block_scaling_available": (False, reason)},
-              kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
-    backend, why = choose_backend(precision("auto", "fp8"))
+    gpu = _fake_gpu(monkeypatch, (9, 0),
+                    te_checks={"is_fp8_block_scaling_available": (False, reason)},
+                    kernels=("causal_conv1d_fn", "mamba_chunk_scan_combined", "rmsnorm_fn"))
+    backend, why = choose_backend(precision("auto", "fp8"), "auto", gpu)
     assert backend == "emulated" and why.startswith(f"portable spec: transformer_engine: {reason}")
     with pytest.raises(ValueError, match="precision.backend=te is not available here"):
-        choose_backend(precision("te", "fp8"))
+        choose_backend(precision("te", "fp8"), "auto", gpu)
 
 
 def test_build_model_refuses_a_backend_against_model_spec():

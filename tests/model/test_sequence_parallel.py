@@ -31,7 +31,7 @@ def _step(sequence_parallel: bool, finalize: bool):
     from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
 
     ctx = _step.ctx
-    seed_model_parallel_rng(0)  # as the trainer does (on CPU: megatron's no-op RNG tracker)
+    seed_model_parallel_rng(0, cuda=False)  # as the trainer does (on CPU: megatron's no-op RNG tracker)
     cfg = ModelConfig(vocab_size=256, mamba_chunk_size=32)
     core = build_model(cfg, PrecisionConfig(name="nvfp4", format="nvfp4"), vocab_size=256,
                        tensor_parallel=2, backend="emulated", params_dtype=PARAMS_DTYPE,
@@ -47,7 +47,7 @@ def _step(sequence_parallel: bool, finalize: bool):
         config = get_model_config(model)
         from compat import cpu_sequence_parallel_buffers
 
-        with cpu_sequence_parallel_buffers(sequence_parallel):
+        with cpu_sequence_parallel_buffers(sequence_parallel, cuda=False):
             pipeline._accumulate(model, [batch], pipeline.make_forward_step(ctx), config, False)
         loss = None
     grads = {name: p.main_grad.clone() for name, p in core.named_parameters()}

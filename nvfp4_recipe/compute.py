@@ -1,0 +1,142 @@
+"""What a BF16 GEMM computes in: the GEMM compute policy and the mode that applies it.
+
+Where BF16 GEMMs are native (CUDA, x86 with AVX512-BF16 or AMX, Arm with BF16) they run as they
+are. Elsewhere torch's CPU BF16 GEMM falls back to a generic kernel that is 7-20x slower than its
+FP32 GEMM (a Zen 3 CPU: `F.linear` 1024x256 x 256x1024 in 82 ms vs 12 ms). There `FP32Gemms`
+multiplies the same BF16 values in FP32 and rounds the result to BF16 once: what a GPU's BF16 GEMM
+does (FP32 accumulation, one rounding of the output). The result differs from a CPU BF16 kernel's
+only by the order of the FP32 accumulation; parameters, activations and gradients stay BF16.
+
+`FP32Gemms` is a dispatch-level mode (torch's `TorchDispatchMode`): it sits below autograd, so it
+sees the forward's GEMMs and those autograd runs for the backward alike, and every caller
+(megatron's linears and output layer, attention, the Mamba mixer's matmuls, einsums and conv1d, the
+emulated low-precision GEMMs) is covered without touching a call site. Everything else passes
+through unchanged. The emulation (nvfp4_recipe/linear.py) asks `fp32_gemms_active()` and writes its
+operands in FP32 directly instead of BF16 values for the mode to convert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from nvfp4_recipe.parts import part
+
+aten = torch.ops.aten
+# Labels of FP32Gemms' parts (benchmarks/step_profile.py).
+CONVERSIONS = "gemm/bf16<->fp32 conversions"
+FP32_GEMMS = "gemm/fp32 on bf16 values"
+
+GEMM_COMPUTE = ("auto", "bf16", "fp32")
+
+# The GEMM-like ops a BF16 model reaches on CPU, and which of their outputs are BF16 (rounded back
+# after the FP32 call). SDPA's CPU flash kernel also returns an FP32 logsumexp, kept as it is.
+_BF16_OUTPUTS = {
+    aten.mm.default: (0,),
+    aten.addmm.default: (0,),
+    aten.bmm.default: (0,),
+    aten.baddbmm.default: (0,),
+    aten.mv.default: (0,),
+    aten.addmv.default: (0,),
+    aten.dot.default: (0,),
+    aten.addbmm.default: (0,),
+    aten._addmm_activation.default: (0,),
+    aten.convolution.default: (0,),
+    aten.convolution_backward.default: (0, 1, 2),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2),
+}
+GEMM_OPS = frozenset(_BF16_OUTPUTS)
+
+
+def _up(value):
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+        return value.float()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_up(v) for v in value)
+    return value
+
+
+def _takes_bf16(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 and not a.is_cuda
+               for a in args)
+
+
+class FP32Gemms(TorchDispatchMode):
+    """BF16 GEMMs on CPU computed in FP32, their outputs rounded to BF16 once (see the module
+    docstring). `counts` tallies the GEMMs seen, by the dtype they computed in, for profiles."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd regions (the emulation's quantizer kernels: elementwise, no GEMM) compile
+        # and run without the mode (torch >= 2.9); otherwise dynamo refuses to trace under it.
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {"fp32": 0, "bf16->fp32": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in GEMM_OPS:
+            return func(*args, **kwargs)
+        if not _takes_bf16(args):
+            self.counts["fp32"] += 1
+            return func(*args, **kwargs)
+        self.counts["bf16->fp32"] += 1
+        with part(CONVERSIONS):
+            args, kwargs = _up(args), _up(kwargs)
+        with part(FP32_GEMMS):
+            out = func(*args, **kwargs)
+        with part(CONVERSIONS):
+            if isinstance(out, torch.Tensor):
+                return out.to(torch.bfloat16)
+            rounded = _BF16_OUTPUTS[func]
+            return type(out)(o.to(torch.bfloat16) if i in rounded and o is not None else o
+                             for i, o in enumerate(out))
+
+
+def fp32_gemms_active() -> bool:
+    """Whether BF16 GEMMs compute in FP32 here (an `FP32Gemms` mode is active on this thread)."""
+    return any(isinstance(mode, FP32Gemms) for mode in _get_current_dispatch_mode_stack())
+
+
+@dataclass(frozen=True)
+class GemmCompute:
+    """What BF16 GEMMs compute in for a run, and why (the start-up line says both)."""
+
+    dtype: torch.dtype  # torch.bfloat16: as they are; torch.float32: FP32Gemms
+    reason: str
+
+    def context(self):
+        """The context a forward and backward run in: `FP32Gemms` or nothing."""
+        return FP32Gemms() if self.dtype == torch.float32 else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        if self.dtype == torch.float32:
+            return f"GEMMs: FP32 on BF16 values: {self.reason}"
+        return f"GEMMs: BF16: {self.reason}"
+
+
+def gemm_compute(requested: str, device_type: str, bf16_native: bool, isa: str) -> GemmCompute:
+    """The GEMM compute policy (pure): `requested` is the config's `auto | bf16 | fp32`;
+    `device_type` the run's device; `bf16_native` whether this device multiplies BF16 natively;
+    `isa` names its instruction set for the reason (e.g. "AVX2", "compute capability 9.0")."""
+    if requested not in GEMM_COMPUTE:
+        raise ValueError(f"precision.gemm_compute={requested!r}: choose auto, bf16 or fp32")
+    if device_type != "cpu":
+        if requested == "fp32":
+            raise ValueError(f"precision.gemm_compute=fp32 applies to CPU runs; this run is on "
+                             f"{device_type} ({isa}), whose BF16 GEMMs accumulate in FP32 already")
+        return GemmCompute(torch.bfloat16, f"{device_type} ({isa})")
+    if requested == "bf16":
+        native = "native" if bf16_native else "no BF16 instructions, slow generic kernel"
+        return GemmCompute(torch.bfloat16, f"precision.gemm_compute=bf16 ({isa}: {native})")
+    if requested == "fp32":
+        return GemmCompute(torch.float32, f"precision.gemm_compute=fp32 ({isa})")
+    if bf16_native:
+        return GemmCompute(torch.bfloat16, f"this CPU multiplies BF16 natively ({isa})")
+    return GemmCompute(torch.float32, f"this CPU has no BF16 instructions ({isa})")

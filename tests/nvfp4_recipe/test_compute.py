@@ -1,0 +1,173 @@
+"""The GEMM compute policy (nvfp4_recipe/compute.py): which dtype BF16 GEMMs compute in, and the
+FP32Gemms mode that computes them in FP32 where a CPU has no BF16 instructions.
+
+The reference for every op is written independently: the same BF16 values in float64, rounded
+once to BF16. A GPU's (or oneDNN's) BF16 GEMM accumulates in FP32 and rounds its output once; so
+does FP32Gemms, so it may differ from the float64 reference only by FP32 accumulation error,
+which rounds to at most one BF16 ulp at these sizes (K <= 256: the FP32 error is ~K * 2^-24
+relative, far below a BF16 ulp's 2^-8, so only an output within that distance of a BF16 rounding
+boundary can round the other way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nvfp4_recipe.compute import FP32Gemms, GemmCompute, fp32_gemms_active, gemm_compute
+
+BF16 = torch.bfloat16
+
+
+def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| in units of the BF16 ulp of |ref| (2^(exponent - 7))."""
+    ref64 = ref.double()
+    ulp = torch.exp2(torch.floor(torch.log2(ref64.abs().clamp_min(1e-30))) - 7)
+    return ((got.double() - ref64).abs() / ulp).max().item()
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
+
+
+# -- the policy --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("requested,device,native,dtype,says", [
+    ("auto", "cpu", True, BF16, "this CPU multiplies BF16 natively (AVX512)"),
+    ("auto", "cpu", False, torch.float32, "this CPU has no BF16 instructions (AVX2)"),
+    ("bf16", "cpu", False, BF16, "precision.gemm_compute=bf16"),
+    ("fp32", "cpu", True, torch.float32, "precision.gemm_compute=fp32"),
+    ("auto", "cuda", True, BF16, "cuda"),
+    ("bf16", "cuda", True, BF16, "cuda"),
+])
+def test_policy(requested, device, native, dtype, says):
+    isa = "AVX2" if not native else ("AVX512" if device == "cpu" else "compute capability 9.0")
+    choice = gemm_compute(requested, device, native, isa)
+    assert choice.dtype == dtype
+    assert says in choice.reason
+    assert choice.describe().startswith("GEMMs: FP32 on BF16 values" if dtype == torch.float32
+                                        else "GEMMs: BF16")
+
+
+def test_policy_refuses_fp32_on_a_gpu_and_unknown_values():
+    with pytest.raises(ValueError, match="precision.gemm_compute=fp32 applies to CPU runs"):
+        gemm_compute("fp32", "cuda", True, "compute capability 10.0")
+    with pytest.raises(ValueError, match="precision.gemm_compute='fp16'"):
+        gemm_compute("fp16", "cpu", True, "AVX512")
+
+
+def test_the_bf16_policy_enters_no_mode():
+    with GemmCompute(BF16, "native").context():
+        assert not fp32_gemms_active()
+    with GemmCompute(torch.float32, "AVX2").context():
+        assert fp32_gemms_active()
+    assert not fp32_gemms_active()
+
+
+# -- the mode: each GEMM op, forward and backward -----------------------------------------------
+
+def _grads(fn, *inputs):
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    weight = rand(*out.shape, seed=99)
+    (out.float() * weight.float()).sum().backward()
+    return out, [t.grad for t in inputs]
+
+
+CASES = {
+    "linear (addmm, mm)": (lambda x, w, b: F.linear(x, w, b),
+                           lambda x, w, b: x @ w.T + b, [(64, 96), (48, 96), (48,)]),
+    "matmul 3-D (bmm)": (torch.matmul, torch.matmul, [(4, 32, 64), (4, 64, 40)]),
+    "einsum (bmm)": (lambda a, b: torch.einsum("bhtd,bhsd->bhts", a, b),
+                     lambda a, b: torch.einsum("bhtd,bhsd->bhts", a, b),
+                     [(2, 3, 16, 32), (2, 3, 24, 32)]),
+    "baddbmm": (lambda c, a, b: torch.baddbmm(c, a, b), lambda c, a, b: c + a @ b,
+                [(3, 8, 12), (3, 8, 16), (3, 16, 12)]),
+    "depthwise conv1d (Mamba)": (
+        lambda x, w: F.conv1d(x, w, groups=x.shape[1], padding=3)[..., :x.shape[-1]],
+        lambda x, w: F.conv1d(x, w, groups=x.shape[1], padding=3)[..., :x.shape[-1]],
+        [(2, 64, 50), (64, 1, 4)]),
+    "SDPA, causal, grouped heads": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        lambda q, k, v: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True),
+        [(2, 4, 32, 16), (2, 2, 32, 16), (2, 2, 32, 16)]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fp32_gemms_match_a_float64_reference_within_one_bf16_ulp(name):
+    fn, reference, shapes = CASES[name]
+    inputs = [rand(*s, seed=i) for i, s in enumerate(shapes)]
+    mode = FP32Gemms()
+    with mode:
+        out, grads = _grads(fn, *inputs)
+    # what a BF16 model sees: BF16 outputs and BF16 gradients, through autograd
+    assert out.dtype == BF16 and all(g.dtype == BF16 for g in grads)
+    assert mode.counts["bf16->fp32"] >= 2  # forward and backward went through FP32
+    ref_out, ref_grads = _grads(reference, *[t.double() for t in inputs])
+    if name.startswith("SDPA"):
+        # Attention is two GEMMs around a softmax, and its backward reads the BF16-rounded output
+        # (as every BF16 attention kernel's does): normwise, within 2 BF16 ulps of the largest
+        # value (2 * 2^-8 relative).
+        for got, ref in zip([out, *grads], [ref_out, *ref_grads]):
+            assert (got.double() - ref).abs().max() <= 2 * 2**-8 * ref.abs().max(), name
+        return
+    # One GEMM, one rounding of its output; a gradient through it, one more of its own.
+    for got, ref in zip([out, *grads], [ref_out, *ref_grads]):
+        assert bf16_ulps(got, ref) <= 1.0, name
+
+
+def test_fp32_gemms_round_like_a_bf16_gemm_with_fp32_accumulation():
+    """The definition, bit for bit: FP32 product of the BF16 values, rounded once to BF16."""
+    a, b = rand(128, 256), rand(256, 64, seed=1)
+    with FP32Gemms():
+        got = a @ b
+    assert torch.equal(got, (a.float() @ b.float()).to(BF16))
+
+
+def test_cpu_bf16_kernels_differ_only_in_accumulation_order():
+    """torch's own BF16 kernel (oneDNN where native, a generic one elsewhere) also accumulates in
+    FP32 and rounds once: the two agree to one BF16 ulp, and mostly exactly."""
+    a, b = rand(256, 256), rand(256, 256, seed=1)
+    native = a @ b
+    with FP32Gemms():
+        emulated = a @ b
+    assert bf16_ulps(emulated, native.double()) <= 1.0
+    assert (emulated == native).float().mean() > 0.95
+
+
+def test_fp32_and_integer_gemms_pass_through_unchanged():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    i, j = torch.randint(-5, 5, (4, 4)), torch.randint(-5, 5, (4, 4))
+    mode = FP32Gemms()
+    with mode:
+        assert torch.equal(a @ b, torch.mm(a, b))
+        assert torch.equal(i @ j, torch.mm(i, j))
+        y = torch.randn(3, 3, dtype=BF16) + 1  # elementwise BF16: untouched
+    assert y.dtype == BF16
+    assert mode.counts["bf16->fp32"] == 0
+
+
+def test_the_mode_reaches_autograd_functions_backward():
+    """megatron's linears are autograd Functions whose backward calls matmul itself: the mode is
+    thread state the autograd engine carries, so their backward GEMMs run in FP32 too."""
+
+    class MatmulFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x.matmul(w.t())
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g.matmul(w), g.t().matmul(x)
+
+    x, w = rand(16, 32).requires_grad_(), rand(8, 32, seed=1).requires_grad_()
+    mode = FP32Gemms()
+    with mode:
+        MatmulFn.apply(x, w).float().sum().backward()
+    assert mode.counts["bf16->fp32"] == 3
+    assert x.grad.dtype == w.grad.dtype == BF16
