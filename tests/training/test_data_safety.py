@@ -286,7 +286,6 @@ def test_an_intact_checkpoint_of_the_step_being_saved_is_not_called_unusable(
             for p in (aside / "step_0000002").rglob("*") if p.is_file()} == files
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 5")
 def test_enospc_in_the_checkpoint_writer_is_one_line_naming_it(
         tmp_path, parallel_context, small_model, monkeypatch):
     """torch's writer runs in forked workers and hands their exception back wrapped twice
@@ -333,7 +332,6 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 5")
 def test_a_full_tmpfs_during_a_checkpoint_is_one_line_and_keeps_the_previous(
         tmp_path, parallel_context, small_model, small_tmpfs):
     from training.checkpoint import CheckpointNotWritten
@@ -455,7 +453,6 @@ def test_a_renamed_checkpoint_is_refused_and_nothing_real_is_moved_or_deleted(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 30 item 5")
 def test_a_full_disk_during_a_checkpoint_exits_8_with_one_line(tmp_path, data_cache,
                                                                 small_tmpfs):
     """run.dir on a tmpfs with room for one checkpoint: the second one fails, the first stays."""
