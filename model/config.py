@@ -71,8 +71,12 @@ class ModelConfig:
         for key in ("bf16_first_layers", "bf16_last_layers"):
             if getattr(self, key) < 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0")
+        if not self.pattern:
+            raise ValueError("model.pattern='' is empty: give one character per layer, 'M' "
+                             "(Mamba-2), '*' (attention) or '-' (MLP), e.g. "
+                             "model.pattern='M-M*-M-M-'")
         bad = sorted({c for c in self.pattern if c not in LAYER_SYMBOLS})
-        if not self.pattern or bad:
+        if bad:
             raise ValueError(
                 f"model.pattern={self.pattern!r} has unknown layer character(s) {bad}: use only "
                 "'M' (Mamba-2), '*' (attention) and '-' (MLP), e.g. model.pattern='M-M*-M-M-'"

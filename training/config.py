@@ -72,6 +72,11 @@ class RunConfig:
     # Build on the meta device, print and write plan.json, train nothing.
     dry_run: bool = False
 
+    def validate(self) -> None:
+        if not str(self.dir).strip():
+            raise ValueError("run.dir='' : give the directory for the run's files (default "
+                             "runs/${run.name}); an empty one would be the working directory")
+
 
 @dataclass
 class ParallelConfig:
@@ -168,6 +173,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Every group's checks that Hydra's types cannot express (ranges, cross-field rules, the
     layout over `world_size` processes), before anything is written; each error names the key.
     A run's data files and tokenizer must exist (MissingDataError); a dry run plans without them."""
+    cfg.run.validate()
     check_ranges(cfg)
     cfg.model.validate()
     validate_config(cfg.data, check_files=not cfg.run.dry_run)

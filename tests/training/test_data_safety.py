@@ -373,7 +373,6 @@ def test_a_torn_last_metrics_line_is_ended_before_anything_is_appended(tmp_path,
 # -- items 6 and 9: refused at start-up, before run.dir is written -----------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 def test_an_empty_run_dir_is_refused_before_anything_is_written(tmp_path, data_cache):
     """Started from an empty working directory (run.dir='' would be that directory)."""
     cwd = tmp_path / "cwd"
@@ -388,7 +387,6 @@ def test_an_empty_run_dir_is_refused_before_anything_is_written(tmp_path, data_c
     assert not list(cwd.iterdir())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 9")
 def test_an_empty_pattern_is_refused_saying_empty(tmp_path):
     proc = run_train(tmp_path / "run", *TINY, "model.pattern=", timeout=300)
     out = proc.stdout + proc.stderr
