@@ -395,9 +395,10 @@ class Trainer:
 def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
     """Rank 0 checks, locks run.dir and writes config.yaml once; every rank gets the outcome.
 
-    Nothing is written before the checks that can refuse the run (run.resume=never on a run,
-    W&B online without a key or server); then run.dir/.lock is taken (training/run_dir.py) before
-    anything else is written, and a second trainer on the same run.dir is turned away.
+    Nothing is written before the checks that can refuse the run (a model.vocab_size smaller
+    than the tokenizer's, run.resume=never on a run, W&B online without a key or server); then
+    run.dir/.lock is taken (training/run_dir.py) before anything else is written, and a second
+    trainer on the same run.dir is turned away.
     """
     run_dir = Path(cfg.run.dir)
     refusal = None
@@ -422,7 +423,44 @@ def _holds_a_run(run_dir: Path) -> bool:
 def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
     never = (f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
              "run.dir or set run.resume=auto to continue it")
+def _tokenizer_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
+    """The size of the run's tokenizer and where it is (rank 0; the demo corpus, whose tokenizer
+    it is, is built into data.cache_dir first if it is not there yet, as build_data would)."""
+    from data.tokenizer import load_tokenizer_spec
+
+    path = cfg.data.tokenizer
+    if path is None:
+        from data.demo import ensure_demo_corpus
+
+        cache_dir = os.path.abspath(os.path.expanduser(cfg.data.cache_dir))
+        path = ensure_demo_corpus(cache_dir, cfg.data.demo, show_progress=True).tokenizer_path
+    try:
+        return load_tokenizer_spec(path).tokenizer.get_vocab_size(), path
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise TrainingError(f"data.tokenizer = {path!r}: cannot load it: {exc}",
+                            ExitCode.CONFIG) from None
+
+
+def _check_vocab(cfg: TrainConfig) -> None:
+    """model.vocab_size, padded as the model pads it, must hold every id the tokenizer gives
+    (else an IndexError at step 1 on a CPU, a device assert on a GPU)."""
+    if cfg.model.vocab_size is None:
+        return
+    from model.build import padded_vocab_size
+
+    size, where = _tokenizer_vocab_size(cfg)
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.vocab_multiple,
+                               cfg.parallel.tensor)
+    if padded < size:
+        raise TrainingError(
+            f"model.vocab_size={cfg.model.vocab_size} (padded to {padded}) is smaller than the "
+            f"tokenizer's vocabulary of {size} tokens ({where}): ids up to {size - 1} would "
+            f"index past the embedding; set model.vocab_size >= {size}, or null for the "
+            "tokenizer's own", ExitCode.CONFIG)
+
+
     if cfg.run.resume == "never" and _holds_a_run(run_dir):
+    _check_vocab(cfg)
         raise TrainingError(never, ExitCode.RUN_DIR_IN_USE)
     if cfg.logger.mode == "online":
         try:

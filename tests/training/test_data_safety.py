@@ -396,7 +396,6 @@ def test_an_empty_pattern_is_refused_saying_empty(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 6")
 def test_a_vocab_smaller_than_the_tokenizers_is_refused_before_run_dir_is_written(
         tmp_path, data_cache):
     proc = run_train(tmp_path / "run", *TINY, "model.vocab_size=1000", cache_dir=data_cache,
