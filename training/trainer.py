@@ -381,12 +381,15 @@ class Trainer:
                 if "val_loss" in metrics:
                     log.info(data_line(metrics))
                 sink.log(self.step, metrics)
-                if self.stop.agreed(self.ctx):
+                stop = self.stop.agreed(self.ctx)
+                if stop or self.step % tr.save_every == 0 or self.step == tr.max_steps:
                     self.save()
+                    # a signal that came during this save: stop now, not after another step
+                    # and a second checkpoint (the grace period is short at scale)
+                    stop = stop or (self.step < tr.max_steps and self.stop.agreed(self.ctx))
+                if stop:
                     sink.event(self.step, "preempted", signal=self.stop.name or "peer")
                     return ExitCode.PREEMPTED
-                if self.step % tr.save_every == 0 or self.step == tr.max_steps:
-                    self.save()
         finally:
             sink.close()
         return ExitCode.OK
@@ -420,9 +423,6 @@ def _holds_a_run(run_dir: Path) -> bool:
     return (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
 
 
-def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
-    never = (f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
-             "run.dir or set run.resume=auto to continue it")
 def _tokenizer_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     """The size of the run's tokenizer and where it is (rank 0; the demo corpus, whose tokenizer
     it is, is built into data.cache_dir first if it is not there yet, as build_data would)."""
@@ -459,8 +459,11 @@ def _check_vocab(cfg: TrainConfig) -> None:
             "tokenizer's own", ExitCode.CONFIG)
 
 
-    if cfg.run.resume == "never" and _holds_a_run(run_dir):
+def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
     _check_vocab(cfg)
+    never = (f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
+             "run.dir or set run.resume=auto to continue it")
+    if cfg.run.resume == "never" and _holds_a_run(run_dir):
         raise TrainingError(never, ExitCode.RUN_DIR_IN_USE)
     if cfg.logger.mode == "online":
         try:

@@ -486,7 +486,6 @@ runpy.run_path({train!r}, run_name="__main__")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 30 item 10")
 def test_sigterm_during_a_checkpoint_save_exits_75_right_after_it(tmp_path, data_cache):
     script = tmp_path / "sigterm_in_save.py"
     script.write_text(SIGTERM_IN_SAVE.format(repo=str(REPO), train=str(REPO / "train.py")))
