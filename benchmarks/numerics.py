@@ -4,7 +4,9 @@ Quantize throughput of quantize_nvfp4 (1x16, 16x16, SR; default kernels, and eag
 torchao's NVFP4Tensor.to_nvfp4
 and a plain vectorized reference (TE-reference style: one mask per E2M1 threshold, no chunking),
 and emulated nvfp4_linear forward+backward against bf16 F.linear (kernels "auto", i.e. compiled
-where inductor can build them, and "eager"). Prints Markdown tables of seconds and ratios; timings
+where inductor can build them, and "eager") and FP32 F.linear; the BF16 and emulated GEMMs compute
+as the GEMM compute policy says (`--gemm-compute`, default auto: FP32 on a CPU without BF16
+instructions, nvfp4_recipe/compute.py). Prints Markdown tables of seconds and ratios; timings
 are interleaved medians (see benchmarks/timing.py measure_interleaved).
 """
 
@@ -16,6 +18,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+from model.device import probe_hardware
+from nvfp4_recipe.compute import GEMM_COMPUTE, GemmCompute
 from nvfp4_recipe.config import NVFP4Config
 from nvfp4_recipe.linear import nvfp4_linear
 from nvfp4_recipe.nvfp4 import quantize_nvfp4, tensor_scales
@@ -82,20 +86,30 @@ def bench_quantize(size: int, repeats: int) -> list[dict[str, object]]:
     return rows
 
 
-def bench_linear(size: int, repeats: int) -> dict[str, object]:
+def bench_linear(size: int, repeats: int, gemm: GemmCompute) -> dict[str, object]:
+    """Forward + backward at T=N=K=size: BF16 F.linear and the emulated NVFP4 linear with their
+    GEMMs as `gemm` (the GEMM compute policy) says, and F.linear on FP32 tensors."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(size, size, dtype=torch.bfloat16, generator=gen).requires_grad_()
     w = (torch.randn(size, size, dtype=torch.bfloat16, generator=gen) / size**0.5).requires_grad_()
     dy = torch.randn(size, size, dtype=torch.bfloat16, generator=gen)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    dy32 = dy.float()
 
     def step(linear):
         def run():
             x.grad = w.grad = None
-            linear(x, w).backward(dy)
+            with gemm.context():
+                linear(x, w).backward(dy)
         return run
+
+    def fp32_step():
+        x32.grad = w32.grad = None
+        F.linear(x32, w32).backward(dy32)
 
     fns = {
         "bf16": step(F.linear),
+        "fp32": fp32_step,
         "nvfp4 fast": step(lambda a, b: nvfp4_linear(a, b, None, NVFP4Config(kernels="auto"))),
         "nvfp4 fast eager": step(lambda a, b: nvfp4_linear(a, b, None, NVFP4Config(kernels="eager"))),
         "nvfp4 exact": step(lambda a, b: nvfp4_linear(a, b, None, NVFP4Config(gemm="exact"))),
@@ -104,8 +118,10 @@ def bench_linear(size: int, repeats: int) -> dict[str, object]:
     return {
         "fwd+bwd T=N=K": size,
         "bf16 F.linear ms": s["bf16"] * 1e3,
+        "fp32 F.linear ms": s["fp32"] * 1e3,
         "nvfp4 fast ms": s["nvfp4 fast"] * 1e3,
         "fast / bf16": s["nvfp4 fast"] / s["bf16"],
+        "fast / fp32": s["nvfp4 fast"] / s["fp32"],
         "fast eager / bf16": s["nvfp4 fast eager"] / s["bf16"],
         "exact / bf16": s["nvfp4 exact"] / s["bf16"],
     }
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--background-load", type=int, default=0, metavar="N",
                         help="run N single-threaded BF16 matmul processes beside the bench (a busy "
                              "machine); the report says LOADED")
+    parser.add_argument("--gemm-compute", choices=GEMM_COMPUTE, default="auto",
+                        help="what BF16 GEMMs compute in (default: this CPU's policy)")
     args = parser.parse_args(argv)
     if args.background_load < 0:
         parser.error(f"--background-load must be >= 0, got {args.background_load}")
@@ -125,11 +143,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     linear_sizes = [512, 1024] if args.quick else [1024, 2048, 4096]
     repeats = 3
     info = hardware_info()
+    gemm = probe_hardware("cpu").gemm_compute(args.gemm_compute)
+    info["gemm_compute"] = gemm.describe()
     print("hardware:", ", ".join(f"{k}={v}" for k, v in info.items()))
     with background_load(args.background_load), MachineLoad() as load:
         quant_rows = [row for size in quant_sizes for row in bench_quantize(size, repeats)]
         print(format_table(quant_rows, ["quantize (bf16)", "ms", "Melem/s", "speedup vs torchao", "speedup vs plain"]))
-        linear_rows = [bench_linear(size, 2 * repeats + 1) for size in linear_sizes]
+        linear_rows = [bench_linear(size, 2 * repeats + 1, gemm) for size in linear_sizes]
         print(format_table(linear_rows, list(linear_rows[0])))
     print(f"machine: {load.report.line()}")
     results = {"hardware": info, "background_load": args.background_load, "load": load.report.to_json(),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from nvfp4_recipe.compute import GEMM_COMPUTE
 from nvfp4_recipe.parts import PartTimer, part
 
 from .machine import MachineLoad, machine_summary
@@ -85,14 +86,28 @@ def _demo_setup(variant: str, ctx, hidden_size: int | None):
     return core, model, optimizer, batches, cfg.hidden_size
 
 
-def _step(core, model, optimizer, batches, hidden, ctx) -> None:
+class _TalliedGemms:
+    """The GEMM compute policy of the profile, keeping one FP32Gemms across steps so that its
+    tally (GEMMs by the dtype they computed in) can be reported."""
+
+    def __init__(self, gemm):
+        from nvfp4_recipe.compute import FP32Gemms
+
+        self.gemm = gemm
+        self.mode = FP32Gemms() if gemm.dtype == torch.float32 else None
+
+    def context(self):
+        return self.mode if self.mode is not None else self.gemm.context()
+
+
+def _step(core, model, optimizer, batches, hidden, ctx, gemm) -> None:
     from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
     from training.pipeline import run_micro_batches
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
     refresh_quantized_weights(modules_with_weight_cache(core))
-    run_micro_batches(model, batches, ctx, (256, 4, hidden))
+    run_micro_batches(model, batches, ctx, (256, 4, hidden), gemm=gemm)
     with part("step/grad_clip"):
         optimizer.prepare_grads()
         optimizer.clip_grad_norm(1.0)
@@ -100,15 +115,18 @@ def _step(core, model, optimizer, batches, hidden, ctx) -> None:
         optimizer.step_with_ready_grads()
 
 
-def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | None = None) -> dict:
+def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | None = None,
+            gemm_compute: str = "auto") -> dict:
     from training.distributed import init_distributed, shutdown
 
     ctx = init_distributed(1, 1, "gloo")
     try:
+        gemm = _TalliedGemms(ctx.hardware.gemm_compute(gemm_compute))
         setups = {v: _demo_setup(v, ctx, hidden_size) for v in variants}
         for v in variants:  # warm-up: compiled kernels, allocator
             for _ in range(2):
-                _step(*setups[v], ctx)
+                _step(*setups[v], ctx, gemm)
+        tally_before = dict(gemm.mode.counts) if gemm.mode else {}
         meter = MachineLoad().start()
         times = defaultdict(list)
         parts = {v: defaultdict(list) for v in variants}
@@ -117,7 +135,7 @@ def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | No
                 for _ in range(steps):
                     with PartTimer() as timer:
                         start = time.perf_counter()
-                        _step(*setups[v], ctx)
+                        _step(*setups[v], ctx, gemm)
                         wall = time.perf_counter() - start
                     times[v].append(wall)
                     for name, seconds in timer.seconds.items():
@@ -126,7 +144,12 @@ def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | No
         load = meter.stop()
     finally:
         shutdown()
+    timed_steps = steps * repeats * len(variants)
+    tally = ({k: (n - tally_before[k]) / timed_steps for k, n in gemm.mode.counts.items()}
+             if gemm.mode else {})
     return {"median_step_s": {v: statistics.median(t) for v, t in times.items()},
+            "gemm_compute": f"{ctx.hardware.describe()}; {gemm.gemm.describe()}",
+            "gemms_per_step": tally,
             "parts_s": {v: {name: statistics.median(x) for name, x in p.items()}
                         for v, p in parts.items()},
             "load": load.to_json(), "load_line": load.line(), "steps": steps, "repeats": repeats,
@@ -145,6 +168,13 @@ def report(result: dict) -> str:
         "Produced by `python -m benchmarks.step_profile` (method in its docstring): demo model at "
         f"hidden size {result['hidden_size']}, medians of {result['repeats']} interleaved rounds "
         f"of {result['steps']} steps per variant.",
+        "",
+        f"Device: {result['gemm_compute']}."
+        + (" GEMMs per step (mean over the variants), by what they computed in: "
+           + ", ".join(f"{n:.0f} {k}" for k, n in result["gemms_per_step"].items())
+           + " (\"bf16->fp32\": BF16 values multiplied in FP32, nvfp4_recipe/compute.py; \"fp32\": "
+             "FP32 operands: the emulated low-precision GEMMs and the Wgrad RHT)."
+           if result["gemms_per_step"] else ""),
         "",
         f"| variant | step (median) | vs {variants[0]}{' (LOADED)' if result['load']['loaded'] else ''} |",
         "|---|---:|---:|",
@@ -173,6 +203,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--hidden-size", type=int, default=None,
                         help="the demo model at another hidden size (a larger CPU config)")
+    parser.add_argument("--gemm-compute", choices=GEMM_COMPUTE, default="auto",
+                        help="what BF16 GEMMs compute in (default: this CPU's policy)")
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -180,7 +212,8 @@ def main(argv=None) -> int:
     if bad or not variants or args.steps < 1 or args.repeats < 1:
         parser.error(f"unknown --variants {bad} (choose from {list(VARIANTS)}); --steps and "
                      "--repeats must be >= 1")
-    text = report(profile(variants, args.steps, args.repeats, args.hidden_size))
+    text = report(profile(variants, args.steps, args.repeats, args.hidden_size,
+                          args.gemm_compute))
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,15 @@ TOLERANCE_BASIS = {"bf16": "1 vs 2 torch threads, same build: max |diff| 1.7e-4"
                    "nvfp4": "1 vs 2 torch threads, same build: max |diff| 2.7e-3"}
 
 
+def gemm_compute_here() -> str:
+    """What BF16 GEMMs compute in on this CPU by default: "bf16" or "fp32" (model/device.py)."""
+    import torch
+
+    from model.device import probe_hardware
+
+    return "fp32" if probe_hardware("cpu").gemm_compute().dtype == torch.float32 else "bf16"
+
+
 def overrides(precision: str) -> list[str]:
     return ["experiment=golden", f"precision={precision}"]
 
@@ -96,13 +105,14 @@ def regenerate() -> None:
                 "command": "OMP_NUM_THREADS=1 python train.py run.dir=<tmp> " + " ".join(overrides(p)),
                 "overrides": overrides(p), "env": ENV,
                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "gemm_compute": gemm_compute_here(),
                 "python": platform.python_version(),
                 "tokenizers": tokenizers.__version__, "corpus_key": key,
                 "machine": machine(), "generated": datetime.now(timezone.utc).isoformat(),
                 "tolerance_other_builds": TOLERANCE[p], "tolerance_basis": TOLERANCE_BASIS[p],
                 "note": "regenerate with `python -m studies.golden --regenerate`; compared by "
-                        "tests/training/test_golden.py: exactly when torch, cpu_capability and corpus_key "
-                        "match, else within tolerance_other_builds (absolute, per step)",
+                        "tests/training/test_golden.py: exactly when torch, cpu_capability, gemm_compute "
+                        "and corpus_key match, else within tolerance_other_builds (absolute, per step)",
             }
             (GOLDEN_DIR / f"{p}.json").write_text(json.dumps(record, indent=1) + "\n")
             print(f"{p}: {len(losses)} losses, {losses[0]:.6f} -> {losses[-1]:.6f} "

@@ -171,3 +171,34 @@ def test_the_mode_reaches_autograd_functions_backward():
         MatmulFn.apply(x, w).float().sum().backward()
     assert mode.counts["bf16->fp32"] == 3
     assert x.grad.dtype == w.grad.dtype == BF16
+
+
+# -- the emulated low-precision GEMMs under the policy -----------------------------------------
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_emulated_fast_gemms_compute_the_same_numbers_in_fp32(fmt):
+    """precision.gemm=fast multiplies exact q*s values and rounds the GEMM's output to BF16. Under
+    FP32Gemms the emulation writes those values in FP32 itself (no BF16 operand for the mode to
+    convert) and rounds the output the same way: forward, Dgrad and Wgrad agree with the BF16
+    path to one BF16 ulp (the same FP32 sums in another order; here they are mostly exact)."""
+    from nvfp4_recipe.linear import quantized_linear
+    from nvfp4_recipe.policy import PrecisionConfig
+    from nvfp4_recipe.registry import gemm_config_for
+
+    config = gemm_config_for(fmt, PrecisionConfig(name=fmt, format=fmt))
+    x, w = rand(64, 256), rand(128, 256, seed=1)
+
+    def run(mode):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with mode:
+            y = quantized_linear(xs, ws, None, config, torch.Generator().manual_seed(3))
+            (y.float() * rand(64, 128, seed=2).float()).sum().backward()
+        return y.detach(), xs.grad, ws.grad
+
+    bf16 = run(GemmCompute(BF16, "native").context())
+    mode = FP32Gemms()
+    fp32 = run(mode)
+    assert mode.counts["bf16->fp32"] == 0 and mode.counts["fp32"] >= 3
+    for got, ref in zip(fp32, bf16):
+        assert got.dtype == ref.dtype == BF16
+        assert bf16_ulps(got, ref.double()) <= 1.0
