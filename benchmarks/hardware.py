@@ -173,6 +173,7 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
     skip_rows: list[dict[str, object]] = []
     seen_skips: set[tuple[object, object]] = set()
     fp8_ok, fp8_why = scaled_mm_status(device)
+    gemm = probe_hardware(device).gemm_compute()
     te_ok = {fmt: te_status(fmt) for fmt in ("bf16", "fp8", "nvfp4")}
     for shape in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -180,8 +181,10 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
         w = (torch.randn(shape.n, shape.k, device=device, dtype=torch.bfloat16, generator=gen)
              / shape.k ** 0.5)
         label = f"{tokens}x{shape.k}x{shape.n}"
+        x32, w32 = x.float(), w.float()
         paths: dict[str, tuple[str, Callable[[], object]]] = {
             "bf16": ("torch bf16 (F.linear)", lambda: F.linear(x, w)),
+            "fp32": ("torch fp32 (F.linear)", lambda: F.linear(x32, w32)),
             "nvfp4 fast": ("emulated (nvfp4_recipe, fast)",
                            lambda: nvfp4_linear(x, w, None, NVFP4Config(gemm="fast"))),
             "nvfp4 exact": ("emulated (nvfp4_recipe, exact)",
@@ -192,7 +195,8 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
         wq = GemmOperand(*nvfp4_scaled_values(w, 16, dtype=torch.bfloat16))
         paths["nvfp4 fast, pre-quantized"] = (
             "emulated GEMM only (nvfp4_recipe, fast)", lambda: emulated_gemm(xq, wq, torch.bfloat16))
-        notes = {"nvfp4 fast": "quantizes x (1x16) and W (16x16) per call",
+        notes = {"bf16": gemm.describe(), "fp32": "FP32 tensors",
+                 "nvfp4 fast": "quantizes x (1x16) and W (16x16) per call",
                  "nvfp4 exact": "fp32 GEMM of q*s; quantizes per call",
                  "nvfp4 fast, pre-quantized": "operands quantized outside the timing"}
         skipped: list[dict[str, object]] = []
@@ -222,7 +226,9 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
             except Exception as exc:
                 skipped.append(_error("gemm", case, label, path, exc))
         with torch.no_grad():
-            fns = {case: fn for case, (_, fn) in paths.items()}
+            # BF16 and emulated GEMMs compute as the device's GEMM policy says (FP32 on BF16
+            # values on a CPU without BF16 instructions: nvfp4_recipe/compute.py).
+            fns = {case: _under(gemm, fn) for case, (_, fn) in paths.items()}
             try:
                 seconds = measure_interleaved(fns, warmup=warmup, repeats=repeats)
             except Exception:  # find the failing path, time the others
@@ -251,10 +257,18 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
             if key not in seen_skips:
                 seen_skips.add(key)
                 skip_rows.append(dict(r, shape="all shapes"))
-        del x, w, xq, wq
+        del x, w, xq, wq, x32, w32
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows + skip_rows
+
+
+def _under(gemm, fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` with its GEMMs computed as the GEMM compute policy `gemm` says."""
+    def run():
+        with gemm.context():
+            return fn()
+    return run
 
 
 def _te_linear_fn(fmt: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
@@ -333,6 +347,7 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
     inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     fpt = flops_per_token(model_cfg, seq, vocab)
     rows, seconds, paths, notes = [], {}, {}, {}
+    gemm = probe_hardware(device).gemm_compute()
     for fmt in ("bf16", "nvfp4"):
         precision = PrecisionConfig(name=fmt, format=fmt)
         backend, reason = choose_backend(precision, model_cfg.spec, probe_hardware(device))
@@ -362,6 +377,7 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
                 opt.step()
                 return loss
 
+            step = _under(gemm, step)
             for _ in range(warmup):
                 step()
             step_s = measure_interleaved({fmt: step}, warmup=0, repeats=repeats)[fmt]
