@@ -88,7 +88,13 @@ def test_two_trainers_on_one_run_dir_never_interleave_and_sigkill_leaves_no_stal
     run_dir = tmp_path / "run"
     first = popen_train(run_dir, data_cache, *ARGS)
     wait_for_step(run_dir, 1, first)
-    second = run_train(run_dir, *ARGS, cache_dir=data_cache, timeout=120)  # a duplicate sbatch
+    # Frozen (its lock held) while the second starts: on a fast CPU the first would otherwise
+    # finish its 6 steps before the second reached the lock, and the second would resume.
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        second = run_train(run_dir, *ARGS, cache_dir=data_cache, timeout=120)  # a duplicate sbatch
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
     assert second.returncode == 5, second.stdout + second.stderr
     assert f"pid {first.pid} on host" in second.stdout + second.stderr
     out, _ = first.communicate(timeout=300)
