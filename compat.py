@@ -34,6 +34,17 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    (tensor_parallel/mappings.py:141,181, layers.py:559, utils.py:631 in 0.16.1). For a CPU run,
    and only while a step's forward and backward run with sequence parallelism,
    that name returns "cpu"; the gloo collectives themselves run on CPU tensors.
+7. `fully_parallel_save`, `fully_parallel_load` and `cpu_fully_parallel_load`: megatron's fully-parallel save and
+   load wrappers (dist_checkpointing/strategies/fully_parallel.py: `FullyParallelSaveStrategyWrapper`
+   :48 and `FullyParallelLoadStrategyWrapper` :141 in 0.16.1, :46 and :142 in core_v0.19.0). Their
+   constructors differ (0.19 adds `backend`/`version` and drops the strategy base classes; its
+   `load` passes `async_strategy` on to the wrapped strategy, fully_parallel.py:258-266), so they
+   are built here. The load wrapper's exchange is CUDA-only: `exchange_loaded_tensors_broadcast`
+   moves every tensor `.cuda()` (exchange_utils.py:499 in 0.16.1, :506 in 0.19.0) and makes empty
+   ones with `init_data("cuda")` (:98-110 / :97-109), and `load` calls `torch.cuda.synchronize()`
+   (fully_parallel.py:272,281 / :287,296). For a CPU run, and only for the duration of a load,
+   `cpu_fully_parallel_load` gives fully_parallel.py a CPU twin of the broadcast exchange (the
+   same loop on CPU tensors over gloo) and a no-op synchronize.
 Items 1-4 select or replace; they never edit a library's globals.
 """
 
@@ -138,3 +149,68 @@ def cpu_sequence_parallel_buffers(sequence_parallel: bool, cuda: bool):
         yield
     finally:
         torch.cuda.current_device = saved
+
+
+def fully_parallel_save(base, group):
+    """megatron's FullyParallelSaveStrategyWrapper around the save strategy `base`, over `group`
+    (the data-parallel group: the ranks holding replicas of the same shards): each replicated
+    tensor is written by one rank of the group, the writes spread evenly (item 7)."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    return FullyParallelSaveStrategyWrapper(base, group)
+
+
+def fully_parallel_load(base, group):
+    """megatron's FullyParallelLoadStrategyWrapper around the load strategy `base`, over `group`:
+    each rank reads its part of what the group shares and the parts are broadcast (item 7)."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    return FullyParallelLoadStrategyWrapper(base, group, exchange_algo="broadcast")
+
+
+def _cpu_exchange_by_distribution(loaded_tensors, unloaded_shards, shard_distribution,
+                                  parallelization_group=None, exchange_algo="broadcast"):
+    """megatron's `exchange_loaded_tensors_broadcast` (exchange_utils.py:454-535, 0.16.1) on CPU
+    tensors: each shard that more than one rank needs is broadcast from the rank that read it."""
+    import torch.distributed as dist
+
+    main_rank_for_shard, _, shard_to_metadata, all_ranks_for_shard = shard_distribution
+    local_rank = dist.get_rank(group=parallelization_group)
+    all_loaded = dict(loaded_tensors)
+    for shard_id, rank in main_rank_for_shard.items():
+        if len(all_ranks_for_shard[shard_id]) == 1:
+            continue  # only the reading rank needs it
+        if rank == local_rank:
+            tensor = all_loaded[shard_id]
+        else:
+            needed = unloaded_shards.get(shard_id)
+            meta = needed if needed is not None else shard_to_metadata[shard_id]
+            tensor = torch.empty(meta.local_shape, dtype=meta.dtype)
+            if needed is not None:
+                all_loaded[shard_id] = tensor
+        src = (rank if parallelization_group is None
+               else dist.get_global_rank(parallelization_group, rank))
+        dist.broadcast(tensor, src=src, group=parallelization_group)
+    return all_loaded
+
+
+@contextmanager
+def cpu_fully_parallel_load(cuda: bool):
+    """Let megatron's FullyParallelLoadStrategyWrapper run for a CPU run (item 7); `cuda`: the
+    run's device is a GPU (nothing is replaced)."""
+    if cuda:
+        yield
+        return
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    saved = fully_parallel.exchange_by_distribution, torch.cuda.synchronize
+    fully_parallel.exchange_by_distribution = _cpu_exchange_by_distribution
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fully_parallel.exchange_by_distribution, torch.cuda.synchronize = saved

@@ -262,20 +262,44 @@ def _conv_parts(cfg: ModelConfig) -> list[tuple[str, int]]:
 
 
 _NORM_OF = {"mamba": "norm", "attention": "input_layernorm", "mlp": "pre_mlp_layernorm"}
-# Names Transformer Engine layer specs (GPU runs) give the pre-norms fused into the first linear.
+# Names Transformer Engine layer specs (GPU runs) give the pre-norms fused into the first linear:
+# megatron's TE hybrid spec builds in_proj / linear_qkv / linear_fc1 as
+# TELayerNormColumnParallelLinear and leaves the layer's own norm an IdentityOp (mc 0.16.1
+# models/mamba/mamba_layer_specs.py:45,61,78; core_v0.19.0 models/hybrid/hybrid_layer_specs.py:99,
+# 129,203), and TE's LayerNormLinear registers the norm as `layer_norm_weight` (and
+# `layer_norm_bias` for LayerNorm) (TE v2.8 pytorch/module/layernorm_linear.py:1276-1289, v2.18
+# :1423-1436). Within a pattern layer: TE name -> portable name.
 _TE_NORM_ALIASES = {"mixer.in_proj.layer_norm_weight": "norm.weight",
+                    "mixer.in_proj.layer_norm_bias": "norm.bias",
                     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+                    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+                    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+                    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+_NAMES_IN_SPEC = {"portable": _TE_NORM_ALIASES,
+                  "te": {portable: te for te, portable in _TE_NORM_ALIASES.items()}}
+LAYER_PREFIX = "decoder.layers."
+
+
+def spec_key(key: str, spec: str) -> str:
+    """A checkpoint key as the `spec` family ("portable" | "te") names it.
+
+    `key` is a model tensor's (`decoder.layers.3.norm.weight`) or anything keyed by one, such as
+    the optimizer state megatron stores per parameter (`optimizer.state.exp_avg.<model key>`).
+    Only the pre-norms differ between the specs; every other key is returned as it is.
+    A pure function of the key: the same table serves the Hugging Face export and a resume on
+    the other spec (training/checkpoint.py)."""
+    if spec not in _NAMES_IN_SPEC:
+        raise ValueError(f"spec={spec!r}: choose portable or te")
+    head, found, rest = key.partition(LAYER_PREFIX)
+    if not found:
+        return key
+    index, _, name = rest.partition(".")
+    return f"{head}{LAYER_PREFIX}{index}.{_NAMES_IN_SPEC[spec].get(name, name)}"
 
 
 def canonical_key(key: str) -> str:
-    """A checkpoint key in the portable spec's names (TE specs fuse the pre-norm into the
-    layer's first linear: megatron's TELayerNormColumnParallelLinear `layer_norm_weight`)."""
-    if key.startswith("decoder.layers."):
-        head, _, rest = key[len("decoder.layers."):].partition(".")
-        if rest in _TE_NORM_ALIASES:
-            return f"decoder.layers.{head}.{_TE_NORM_ALIASES[rest]}"
-    return key
+    """A checkpoint key in the portable spec's names (see `spec_key`)."""
+    return spec_key(key, "portable")
 
 
 def _qkv_shape(cfg: ModelConfig):

@@ -126,3 +126,52 @@ def test_cpu_seeding_installs_megatrons_no_op_rng_tracker():
         drawn = torch.rand(2)
     torch.manual_seed(3)
     assert torch.equal(drawn, torch.rand(2))  # the default stream, untouched
+
+
+def test_fully_parallel_wrappers_wrap_the_given_strategies():
+    """compat item 7: built the same way on 0.16.1 and 0.19 (0.19's constructors add
+    backend/version and drop the strategy base classes)."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from training.safe_load import SafeTorchDistLoadStrategy
+
+    base_save, base_load = get_default_save_sharded_strategy(), SafeTorchDistLoadStrategy()
+    save = compat.fully_parallel_save(base_save, None)
+    load = compat.fully_parallel_load(base_load, None)
+    assert save.base_strategy is base_save and load.base_strategy is base_load
+    assert load.exchange_algo == "broadcast"
+    # the safe strategy's metadata readers are the ones the wrapper answers with
+    assert "SafeFileSystemReader" in inspect.getsource(type(base_load).load_sharded_metadata)
+
+
+def test_fully_parallel_load_still_exchanges_on_cuda():
+    """Why compat.cpu_fully_parallel_load exists: megatron's exchange moves tensors to CUDA and
+    the wrapper synchronizes CUDA (exchange_utils.py:499, fully_parallel.py:272,281 in 0.16.1)."""
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    assert ".cuda()" in inspect.getsource(exchange_utils.exchange_loaded_tensors_broadcast)
+    assert "torch.cuda.synchronize()" in inspect.getsource(
+        fully_parallel.FullyParallelLoadStrategyWrapper.load)
+    assert fully_parallel.exchange_by_distribution is exchange_utils.exchange_by_distribution
+
+
+def test_cpu_fully_parallel_load_patch_is_scoped_to_cpu_runs():
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    before = fully_parallel.exchange_by_distribution, torch.cuda.synchronize
+    with compat.cpu_fully_parallel_load(cuda=True):
+        assert (fully_parallel.exchange_by_distribution, torch.cuda.synchronize) == before
+    with compat.cpu_fully_parallel_load(cuda=False):
+        assert fully_parallel.exchange_by_distribution is compat._cpu_exchange_by_distribution
+        assert torch.cuda.synchronize() is None
+    assert (fully_parallel.exchange_by_distribution, torch.cuda.synchronize) == before
+
+
+def test_the_cpu_exchange_skips_shards_only_their_reader_needs(parallel_context):
+    """One rank: every shard is needed by its reader only, so nothing is broadcast and what was
+    read comes back as it is (the two-rank exchange runs in test_data_parallel.py)."""
+    loaded = {("a", (0,), None): torch.ones(3)}
+    distribution = ({("a", (0,), None): 0}, None, {}, {("a", (0,), None): [0]})
+    out = compat._cpu_exchange_by_distribution(loaded, {}, distribution, None)
+    assert out.keys() == loaded.keys() and torch.equal(out[("a", (0,), None)], torch.ones(3))

@@ -2,10 +2,14 @@
 
 Layout of one checkpoint:
   dist/                  BF16 model weights + FP32 master weights and Adam moments, a megatron-core
-                         distributed checkpoint (torch_dist): every tensor keyed by its global
-                         shape and offset, the optimizer's by its parameter's (megatron's
-                         'fully_reshardable' layout), so it loads into any tensor/pipeline/data
-                         layout written by the same kind of optimizer (manifest: optimizer_format)
+                         distributed checkpoint (torch_dist): every model tensor keyed by its
+                         global shape and offset; the optimizer state in one of megatron's two
+                         layouts (manifest: optimizer_layout, next to optimizer_format, the kind of
+                         optimizer, and spec, the layer-spec family that named the keys):
+                         'fully_reshardable' (keyed by parameter: loads at any tensor/pipeline/
+                         data layout and on either spec) or, with the distributed optimizer,
+                         'dp_reshardable' (each rank's shard of the flat buffers: loads at any
+                         data-parallel size, at the same tensor/pipeline layout and spec)
   rng_rank{r}.pt         each rank's RNG state (stochastic rounding draws from it)
   trainer.pt             the trainer's state_dict() (rank 0): its step, counters and W&B id, and
                          the state_dict() of its scheduler and data stream
@@ -19,6 +23,10 @@ verifies the manifest and falls back to the previous checkpoint if the latest is
 checkpoints exist and none is usable the run stops (NoUsableCheckpoint) instead of starting over.
 A checkpoint is trusted under its own name only: the manifest's step must be the step the
 directory's name gives, and "newest" is the highest step, not the last name in sort order.
+Saving and loading run inside megatron's fully-parallel wrappers over the data-parallel group:
+each replicated tensor is written by one rank, read by one rank and broadcast to the others.
+A checkpoint written by the other spec family (TE on Blackwell, portable elsewhere) loads with its
+pre-norm keys translated (model/hf.py:spec_key), for the weights and the optimizer state.
 No code runs from a checkpoint: the .pt files load with `torch.load(weights_only=True)` and the
 distributed checkpoint through `safe_load` (its pickled metadata with an allow-listed unpickler).
 Nothing is deleted but by `keep_last` retention, which never evicts the newest checkpoint written
@@ -119,21 +127,84 @@ def _broadcast_str(value: str, ctx: ParallelContext) -> str:
     return box[0]
 
 
-# megatron's distributed optimizer: the format that reshards over data parallel as well
-# (`distrib_optimizer.py:1175-1293`, core 0.16.1); the CPU twin writes the same layout.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# megatron's two optimizer-state layouts (`distrib_optimizer.py:1175-1293`, core 0.16.1;
+# 'distrib_optim_sharding_type'), the CPU twin writes both (training/mixed_precision.py):
+# - fully_reshardable: per parameter, model space. On save every data-parallel shard of the FP32
+#   master weights and both moments is gathered into every rank's memory
+#   (`sharded_param_state_fully_reshardable` -> `get_parameter_state_dp_zero(return_on_all_ranks)`,
+#   distrib_optimizer.py:1404-1537 in 0.16.1, 1704-1737 and 1362-1392 in core_v0.19.0), and on load
+#   every rank reads every full tensor. Loads anywhere.
+# - dp_reshardable: each rank writes and reads its own shard of the flat buffers; "it allows
+#   checkpoint resharding only in DP dimension" (distrib_optimizer.py:1187-1191, 0.16.1).
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+# megatron's DDP bucket size when none is configured: max(40M, 1M x DP) elements
+# (distributed/distributed_data_parallel.py:64-65 in 0.16.1, :68-69 in core_v0.19.0). The
+# distributed optimizer's dp_reshardable state is per bucket and megatron asserts the buckets
+# match on load (distrib_optimizer.py:1777-1783, 0.16.1).
+MEGATRON_MIN_BUCKET, MEGATRON_BUCKET_PER_DP = 40_000_000, 1_000_000
 
 
-def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
-    """Model and optimizer state as megatron ShardedTensors (the optimizer's keyed like its params).
+def optimizer_layout(requested: str, distributed_optimizer: bool) -> str:
+    """The layout a run writes: `trainer.checkpoint_layout` for the distributed optimizer; the
+    unsharded optimizers keep their state per parameter already (megatron's
+    `Float16OptimizerWithFloat16Params` has only that layout), which is fully_reshardable."""
+    if requested not in (DP_RESHARDABLE, FULLY_RESHARDABLE):
+        raise ValueError(f"trainer.checkpoint_layout={requested!r}: choose {DP_RESHARDABLE} or "
+                         f"{FULLY_RESHARDABLE}")
+    return requested if distributed_optimizer else FULLY_RESHARDABLE
+
+
+def _megatron_bucket(data_parallel: int) -> int:
+    return max(MEGATRON_MIN_BUCKET, MEGATRON_BUCKET_PER_DP * data_parallel)
+
+
+def layout_problem(saved: dict, now: dict, megatron_optimizer: bool) -> Optional[str]:
+    """Why optimizer state saved in `saved` cannot load into a run at `now` (None: it can).
+
+    Both: {"layout", "tensor", "pipeline", "data", "spec"}. fully_reshardable loads anywhere;
+    dp_reshardable needs the same tensor/pipeline layout and spec (the flat buffers list the
+    parameters in the model's order, which the specs do not share: TE's fused pre-norm sits
+    in the first linear), and on megatron's optimizer (`megatron_optimizer`) the same DDP
+    buckets, i.e. a data-parallel size with the same default bucket size."""
+    if saved["layout"] != DP_RESHARDABLE:
+        return None
+    differ = [f"{key} {saved[key]} -> {now[key]}" for key in ("tensor", "pipeline", "spec")
+              if saved[key] != now[key]]
+    if (megatron_optimizer and saved["data"] != now["data"]
+            and _megatron_bucket(saved["data"]) != _megatron_bucket(now["data"])):
+        differ.append(f"data {saved['data']} -> {now['data']} (megatron's DDP buckets of "
+                      f"max(40M, 1M x DP) elements: {_megatron_bucket(saved['data'])} -> "
+                      f"{_megatron_bucket(now['data'])})")
+    if not differ:
+        return None
+    return (f"its optimizer state is in the {DP_RESHARDABLE} layout (each rank's shard of the "
+            f"flat buffers), which loads only at the same tensor/pipeline layout and spec "
+            f"({'; '.join(differ)}): resume at tensor {saved['tensor']} x pipeline "
+            f"{saved['pipeline']} on the {saved['spec']} spec (once, with "
+            f"trainer.checkpoint_layout={FULLY_RESHARDABLE}, to write a checkpoint that loads "
+            "anywhere), or start a new run.dir from its weights alone with "
+            "model.init_from=<this run.dir> (a fresh optimizer)")
+
+
+def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool, layout: str) -> dict:
+    """Model and optimizer state as megatron ShardedTensors (the optimizer's in `layout`).
 
     `model` is the unwrapped megatron model: megatron's DDP would prefix every key with
     "module." (as Megatron-LM, which unwraps first), and keys must not depend on the device.
     """
     model_state = model.sharded_state_dict()
     optim_state = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                               metadata=OPTIMIZER_METADATA)
+                                               metadata={"distrib_optim_sharding_type": layout})
     return {"model": model_state, "optimizer": optim_state}
+
+
+def _data_parallel_group(ctx: ParallelContext):
+    """The group megatron's fully-parallel wrappers spread the work over (None: one rank)."""
+    if ctx.data == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
 
 
 def _rng_state(ctx: ParallelContext) -> dict[str, Optional[torch.Tensor]]:
@@ -150,26 +221,34 @@ def _restore_rng(state: dict[str, Optional[torch.Tensor]], ctx: ParallelContext)
 
 def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch.nn.Module,
                     optimizer, optimizer_format: str, trainer_state: dict,
-                    keep_last: int, skipped_since_previous: int = 0) -> Path:
-    """Write step_N atomically: model, optimizer and this rank's RNG from their objects, and
-    `trainer_state` (the trainer's state_dict) as trainer.pt. `skipped_since_previous` (steps
-    skipped for a non-finite loss since the previous checkpoint) goes into the manifest: 0 marks
-    a clean checkpoint.
+                    keep_last: int, skipped_since_previous: int = 0,
+                    optimizer_layout: str = FULLY_RESHARDABLE, spec: str = "portable") -> Path:
+    """Write step_N atomically: model, optimizer (in `optimizer_layout`) and this rank's RNG from
+    their objects, and `trainer_state` (the trainer's state_dict) as trainer.pt.
+    `skipped_since_previous` (steps skipped for a non-finite loss since the previous checkpoint)
+    goes into the manifest: 0 marks a clean checkpoint; so do the layout and `spec`, the layer-spec
+    family whose names the keys carry.
 
     A write the file system refuses (disk full, quota, read-only), wherever the writers surface
     it, raises CheckpointNotWritten on every rank once rank 0 removed the temporary."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from compat import cpu_dist_checkpoint_save
+    from compat import cpu_dist_checkpoint_save, fully_parallel_save
 
     final = root / step_dir_name(step)
     tmp = _make_temporary(root, step, ctx)
     failure = None
+    started = time.perf_counter()
     try:
+        strategy = get_default_save_sharded_strategy()
+        group = _data_parallel_group(ctx)
+        if group is not None:  # each replicated tensor written by one data-parallel rank
+            strategy = fully_parallel_save(strategy, group)
         with cpu_dist_checkpoint_save(ctx.hardware.cuda):
-            dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
-                                    str(tmp / "dist"))
+            dist_checkpointing.save(_sharded_state(model, optimizer, False, optimizer_layout),
+                                    str(tmp / "dist"), sharded_strategy=strategy)
         _write_pt(_rng_state(ctx), tmp / f"rng_rank{ctx.rank}.pt")
         if ctx.is_main:
             _write_pt(trainer_state, tmp / "trainer.pt")
@@ -180,7 +259,9 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
         try:
             files = sorted(p for p in tmp.rglob("*") if p.is_file())
             manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
-                        "pipeline": ctx.pipeline, "optimizer_format": optimizer_format,
+                        "pipeline": ctx.pipeline, "data_parallel": ctx.data,
+                        "optimizer_format": optimizer_format,
+                        "optimizer_layout": optimizer_layout, "spec": spec,
                         "skipped_since_previous": skipped_since_previous,
                         "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
                                                             "sha256": _sha256(p)}
@@ -193,6 +274,8 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
         except OSError as exc:  # the manifest, set_aside's directory
             failure = _not_written(exc, final, tmp)
     _agree_or_raise(failure, ctx, final, tmp)
+    log.info(f"checkpoint {final.name}: optimizer state in the {optimizer_layout} layout, "
+             f"written in {time.perf_counter() - started:.1f} s")
     return final
 
 
@@ -453,29 +536,83 @@ def _mismatch_message(exc: BaseException) -> str:
     return first if len(first) <= 300 else first[:300] + " ..."
 
 
+def _saved_spec(path: Path, manifest: dict) -> str:
+    """The layer-spec family whose names a checkpoint's keys carry: the manifest's, or for a
+    checkpoint written before it recorded one, "te" when a TE fused pre-norm key is stored."""
+    if manifest.get("spec") in ("portable", "te"):
+        return manifest["spec"]
+    from .safe_load import SafeFileSystemReader
+
+    keys = SafeFileSystemReader(path / "dist").read_metadata().state_dict_metadata
+    return "te" if any(".layer_norm_" in key for key in keys) else "portable"
+
+
+def _in_spec(sharded: dict, spec: str) -> dict:
+    """The request for a checkpoint whose keys `spec` named: every ShardedTensor (model and
+    optimizer) renamed through model/hf.py:spec_key; module extra state (TE's recipe metadata,
+    per spec family) is not requested: each layer keeps its fresh one."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from model.hf import spec_key
+
+    sharded = {**sharded, "model": {k: v for k, v in sharded["model"].items()
+                                    if not (isinstance(v, ShardedObject)
+                                            and v.key.endswith("_extra_state"))}}
+    for item in nested_values(sharded):
+        if hasattr(item, "key") and isinstance(item.key, str):
+            item.key = spec_key(item.key, spec)
+    return sharded
+
+
 def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
-                    optimizer, optimizer_format: str) -> dict[str, Any]:
-    """Restore model, optimizer and RNG in place (any TP/PP/DP layout); return the trainer's
-    state_dict ("trainer") and the layout the checkpoint was written at ("resharded", "layout").
+                    optimizer, optimizer_format: str, spec: str = "portable") -> dict[str, Any]:
+    """Restore model, optimizer and RNG in place (any TP/PP/DP layout the checkpoint's optimizer
+    layout allows, and a checkpoint of either spec family: `spec` is this run's); return the
+    trainer's state_dict ("trainer") and the layout the checkpoint was written at ("resharded",
+    "layout", "optimizer_layout", "spec").
 
     `model` is the unwrapped megatron model whose parameters the optimizer was built on.
     """
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .mixed_precision import uses_megatron_ddp
     from .safe_load import load_dist_checkpoint, vet_extra_state
 
     manifest = json.loads((path / MANIFEST).read_text())
     saved_format = manifest.get("optimizer_format", optimizer_format)
     if saved_format != optimizer_format:
+        crossing = "cpu-twin" in (saved_format, optimizer_format)
         raise ValueError(
             f"checkpoint {path} holds optimizer state in the {saved_format!r} layout and this "
-            f"run writes {optimizer_format!r}: resume on the same kind of device with the same "
-            "trainer.distributed_optimizer (on GPUs megatron's two optimizers differ)")
+            f"run writes {optimizer_format!r}: "
+            + ("the CPU twin's optimizer (CPU runs) and megatron's GPU optimizers keep different "
+               "state and cannot be resumed across; " if crossing else
+               "megatron's distributed and plain optimizers keep different state; resume with "
+               "the same trainer.distributed_optimizer, or ")
+            + f"start a new run.dir from its weights alone with model.init_from={path.parents[1]}"
+            " (a fresh optimizer and schedule)")
+    saved_layout = manifest.get("optimizer_layout", FULLY_RESHARDABLE)  # all before it were
+    saved_spec = _saved_spec(path, manifest)
+    saved_data = manifest.get("data_parallel",
+                              manifest["world_size"] // (manifest["tensor"] * manifest["pipeline"]))
+    problem = layout_problem(
+        {"layout": saved_layout, "tensor": manifest["tensor"], "pipeline": manifest["pipeline"],
+         "data": saved_data, "spec": saved_spec},
+        {"tensor": ctx.tensor, "pipeline": ctx.pipeline, "data": ctx.data, "spec": spec},
+        megatron_optimizer=uses_megatron_ddp(ctx.device))
+    if problem:
+        raise CheckpointMismatch(f"checkpoint {path} cannot be resumed here: {problem}")
     trainer = _load_pt(path / "trainer.pt")
+    request = _sharded_state(model, optimizer, True, saved_layout)
+    if saved_spec != spec:
+        request = _in_spec(request, saved_spec)
+    started = time.perf_counter()
     try:
-        loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True),
-                                      path / "dist")
+        loaded = load_dist_checkpoint(request, path / "dist",
+                                      parallel_group=_data_parallel_group(ctx),
+                                      cuda=ctx.hardware.cuda)
     except (CheckpointingException, CheckpointException, KeyError) as exc:
         # megatron's shape check (strategies/torch.py:503-518) and torch's per-rank failures
         # (torch/distributed/checkpoint/utils.py:194-221) come back as one of these
@@ -496,5 +633,11 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
     # Another layout draws other stochastic-rounding streams anyway: keep the fresh RNG then.
     if same_layout and rng_file.exists():
         _restore_rng(_load_pt(rng_file), ctx)
+    crossed = (f"; keys of the {saved_spec} spec translated to the {spec} spec's"
+               if saved_spec != spec else "")
+    log.info(f"checkpoint {path.name}: optimizer state in the {saved_layout} layout, written at "
+             f"data parallel {saved_data}, read at {ctx.data}{crossed}; loaded in "
+             f"{time.perf_counter() - started:.1f} s")
     return {"trainer": trainer, "resharded": not same_layout,
-            "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"])}
+            "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"]),
+            "optimizer_layout": saved_layout, "spec": saved_spec}

@@ -46,6 +46,12 @@ class OnNan(StrEnum):
     skip = "skip"
 
 
+class CheckpointLayout(StrEnum):
+    """megatron's distributed-optimizer checkpoint layouts (training/checkpoint.py)."""
+    dp_reshardable = "dp_reshardable"
+    fully_reshardable = "fully_reshardable"
+
+
 Recompute = StrEnum("Recompute", [(name, name) for name in GRANULARITIES])
 RecomputeMethod = StrEnum("RecomputeMethod", [(name, name) for name in METHODS])
 
@@ -123,6 +129,12 @@ class TrainerConfig:
     # Shard the FP32 master weights and Adam moments over the data-parallel ranks (megatron's
     # distributed optimizer): optimizer memory per rank / data-parallel size.
     distributed_optimizer: bool = False
+    # How the distributed optimizer's state is checkpointed: dp_reshardable (each rank writes and
+    # reads its own shard; resumes at any data-parallel size, at the same tensor/pipeline layout
+    # and spec) or fully_reshardable (gathered per parameter: resumes at any layout, on either
+    # spec, at the cost of every shard in every rank's memory at save and load). Without the
+    # distributed optimizer the state is per parameter anyway (fully_reshardable).
+    checkpoint_layout: CheckpointLayout = CheckpointLayout.dp_reshardable
     # Activation recompute (megatron's meaning, model/recompute.py): none, selective (core
     # attention and the portable Mamba scan) or full (whole layers; recompute_method uniform:
     # chunks of recompute_layers layers, block: the first recompute_layers layers per stage).

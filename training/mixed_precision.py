@@ -301,17 +301,32 @@ class MixedPrecisionOptimizer:
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """Master weights and moments keyed like the model's tensors: loadable at any TP/PP/DP.
+        """The optimizer state as megatron ShardedTensors, in megatron's layout
+        `metadata["distrib_optim_sharding_type"]` (default "fully_reshardable"):
 
-        This is the layout of megatron's 'fully_reshardable' distributed-optimizer format: each
-        state tensor has its parameter's shape, written once (by data-parallel rank 0, whose
-        replica id is the model tensor's), read by every rank, which keeps its own slice.
+        - fully_reshardable: master weights and moments keyed like the model's tensors, each with
+          its parameter's shape, written once (by data-parallel rank 0, whose replica id is the
+          model tensor's), read whole by every rank, which keeps its own slice. Loads at any
+          TP/PP/DP and on either spec (keys translate, model/hf.py:spec_key). With the sharded
+          optimizer the save gathers every rank's shard into full tensors on every rank.
+        - dp_reshardable: each rank writes and reads only its own contiguous shard of the flat
+          buffers, one 1-D tensor per state over the unpadded buffer (`dp_flat_shards`), as
+          megatron's distributed optimizer keys its buckets (distrib_optimizer.py:1539-1687,
+          core 0.16.1). No gather, no full tensors; loads at any data-parallel size (the flat
+          layout does not depend on it) but only at the same TP/PP and parameter order.
         """
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             make_sharded_optimizer_tensor,
         )
 
+        layout = (metadata or {}).get("distrib_optim_sharding_type", "fully_reshardable")
+        if layout == "dp_reshardable":
+            return {"optimizer_steps": self._optimizer_steps(),
+                    "param_state": self.dp_flat_shards(is_loading)}
+        if layout != "fully_reshardable":
+            raise ValueError(f"optimizer checkpoint layout {layout!r}: the CPU twin writes "
+                             "fully_reshardable or dp_reshardable")
         # {index of the parameter in self.model.params: its model ShardedTensor (or factory)}
         by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model.params)
         if is_loading:
@@ -325,6 +340,44 @@ class MixedPrecisionOptimizer:
                   for i, tensors in enumerate(state)}
             for key in OPTIMIZER_STATE_KEYS}}
 
+    def _owned_span(self) -> tuple[int, int]:
+        """[lo, hi) of the unpadded flat buffer this rank's optimizer owns (empty: lo == hi)."""
+        lo, hi = self.layout.shard_range
+        hi = min(hi, self.layout.total)
+        return min(lo, hi), hi
+
+    def dp_flat_shards(self, is_loading: bool) -> dict:
+        """{state key: ShardedTensor of this rank's span of the flat FP32 buffer}: the
+        dp_reshardable layout. Keyed per tensor/pipeline rank (their buffers hold other
+        parameters); global shape the unpadded buffer, so another data-parallel size reads other
+        spans of the same tensors."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        lo, hi = self._owned_span()
+        if lo == hi:  # more ranks than elements: this rank owns nothing
+            return {}
+        domain = (f"tp{ps.get_tensor_model_parallel_rank()}of"
+                  f"{ps.get_tensor_model_parallel_world_size()}."
+                  f"pp{ps.get_pipeline_model_parallel_rank()}of"
+                  f"{ps.get_pipeline_model_parallel_world_size()}")
+        out = {}
+        for key in OPTIMIZER_STATE_KEYS:
+            flat = torch.empty(hi - lo, dtype=MAIN_PARAMS_DTYPE)
+            if not is_loading:
+                for i, a, b, master in self.pieces:
+                    value = master if key == "fp32_param" else self.adam.state[master].get(key)
+                    start = self.layout.offsets[i] + a - lo
+                    if value is None:  # before the first step Adam has no moments
+                        flat[start:start + b - a].zero_()
+                    else:
+                        flat[start:start + b - a].copy_(value.detach())
+            out[key] = ShardedTensor(
+                key=f"optimizer.dp_reshardable.{domain}.{key}", data=flat, dtype=flat.dtype,
+                local_shape=(hi - lo,), global_shape=(self.layout.total,), global_offset=(lo,),
+                axis_fragmentations=None, replica_id=0)  # a span no other rank holds
+        return out
+
     def _optimizer_steps(self) -> int:
         """Adam's step count (the same for every parameter; skipped steps do not count)."""
         for *_, master in self.pieces:
@@ -334,14 +387,22 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Take this rank's slices of loaded full tensors (from sharded_state_dict(is_loading))."""
+        """Take this rank's part of the loaded state (from sharded_state_dict(is_loading)): its
+        slices of full tensors (fully_reshardable) or its span of the flat buffer
+        (dp_reshardable)."""
         params, optimizer_steps = state_dict["param_state"], state_dict["optimizer_steps"]
+        lo, _ = self._owned_span()
+        flat = not params or isinstance(params.get("fp32_param"), torch.Tensor)
         for i, a, b, master in self.pieces:
-            master.copy_(params["fp32_param"][str(i)].reshape(-1)[a:b])
+            if flat:
+                start = self.layout.offsets[i] + a - lo
+                part = {key: params[key][start:start + b - a] for key in OPTIMIZER_STATE_KEYS}
+            else:
+                part = {key: params[key][str(i)].reshape(-1)[a:b] for key in OPTIMIZER_STATE_KEYS}
+            master.copy_(part["fp32_param"])
             self.adam.state[master] = {
                 "step": torch.tensor(float(optimizer_steps)),
-                **{key: params[key][str(i)].reshape(-1)[a:b].clone()
-                   for key in ("exp_avg", "exp_avg_sq")}}
+                **{key: part[key].clone() for key in ("exp_avg", "exp_avg_sq")}}
             start = self.layout.offsets[i]
             self.model.param_data[start + a:start + b].copy_(master)
         self.model.gather_params()

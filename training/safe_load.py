@@ -310,11 +310,23 @@ def strategies() -> dict:
     return kwargs
 
 
-def load_dist_checkpoint(sharded_state_dict, checkpoint_dir: Union[str, Path]):
+def load_dist_checkpoint(sharded_state_dict, checkpoint_dir: Union[str, Path], *,
+                         parallel_group=None, cuda: bool = True):
     """megatron's `dist_checkpointing.load`, with nothing in the checkpoint able to run code:
-    every pickle vetted first, then loaded through the safe strategies."""
+    every pickle vetted first, then loaded through the safe strategies.
+
+    `parallel_group` (the data-parallel group, when it has more than one rank): the safe strategy
+    runs inside megatron's FullyParallelLoadStrategyWrapper, so each rank reads 1/DP of what the
+    group's ranks share (the model weights) and receives the rest from the rank that read it,
+    instead of every rank reading everything (compat item 7; `cuda`: the run's device)."""
     from megatron.core import dist_checkpointing
 
-    vet_pickled_objects(checkpoint_dir)
-    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), **strategies())
+    from compat import cpu_fully_parallel_load, fully_parallel_load
 
+    vet_pickled_objects(checkpoint_dir)
+    kwargs = strategies()
+    if parallel_group is not None:
+        kwargs["sharded_strategy"] = fully_parallel_load(kwargs["sharded_strategy"],
+                                                         parallel_group)
+    with cpu_fully_parallel_load(cuda):
+        return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), **kwargs)

@@ -149,6 +149,8 @@ class Trainer:
         # BF16 weights, FP32 main grads and master weights (megatron's DDP and optimizer on GPUs).
         self.model, self.optimizer = build_data_parallel_model(self.core, tr, ctx)
         self.optimizer_format = optimizer_checkpoint_format(ctx.device, tr.distributed_optimizer)
+        self.checkpoint_layout = ckpt.optimizer_layout(str(tr.checkpoint_layout),
+                                                       tr.distributed_optimizer)
         self.scheduler = WSDScheduler(self.optimizer, tr)
         self.precision = PrecisionController(cfg.precision, self.built, self.tokens_per_step,
                                              self.total_tokens)
@@ -207,7 +209,8 @@ class Trainer:
         try:
             path = ckpt.save_checkpoint(
                 self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
-                optimizer_format=self.optimizer_format,
+                optimizer_format=self.optimizer_format, optimizer_layout=self.checkpoint_layout,
+                spec=self.built.spec,
                 trainer_state=self.state_dict(), keep_last=self.cfg.trainer.keep_last,
                 skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
         except ckpt.CheckpointNotWritten as exc:  # disk full, quota, read-only
@@ -222,7 +225,7 @@ class Trainer:
             if path is None:
                 return
             state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer,
-                                         self.optimizer_format)
+                                         self.optimizer_format, spec=self.built.spec)
         except (ckpt.NoUsableCheckpoint, ckpt.CheckpointRefused) as exc:
             raise TrainingError(str(exc), ExitCode.NO_USABLE_CHECKPOINT) from None
         except ckpt.CheckpointMismatch as exc:

@@ -1,0 +1,245 @@
+"""Which optimizer layout a checkpoint is written in, where it can be resumed, and a resume across
+the two layer-spec families (issue 26 items 5 and 6)."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+import torch
+
+from train_helpers import FAST, REPO, run_train, step_losses
+from training import checkpoint as ckpt
+from training import mixed_precision as mp
+
+SAME = {"tensor": 1, "pipeline": 1, "data": 8, "spec": "te"}
+
+
+def test_the_layout_follows_the_optimizer_and_the_key():
+    assert ckpt.optimizer_layout("dp_reshardable", True) == "dp_reshardable"
+    assert ckpt.optimizer_layout("fully_reshardable", True) == "fully_reshardable"
+    # without the distributed optimizer the state is per parameter already
+    assert ckpt.optimizer_layout("dp_reshardable", False) == "fully_reshardable"
+    with pytest.raises(ValueError, match="trainer.checkpoint_layout='bucket'"):
+        ckpt.optimizer_layout("bucket", True)
+
+
+def test_where_each_layout_can_be_resumed():
+    fully = {**SAME, "layout": "fully_reshardable"}
+    for now in ({**SAME, "tensor": 2}, {**SAME, "pipeline": 4}, {**SAME, "data": 184},
+                {**SAME, "spec": "portable"}):
+        assert ckpt.layout_problem(fully, now, megatron_optimizer=True) is None
+    dp = {**SAME, "layout": "dp_reshardable"}
+    assert ckpt.layout_problem(dp, SAME, megatron_optimizer=True) is None
+    # another data-parallel size: the twin's flat buffer does not depend on it; megatron's
+    # buckets do not either while max(40M, 1M x DP) stays 40M
+    assert ckpt.layout_problem(dp, {**SAME, "data": 2}, megatron_optimizer=False) is None
+    assert ckpt.layout_problem(dp, {**SAME, "data": 40}, megatron_optimizer=True) is None
+    assert ckpt.layout_problem(dp, {**SAME, "data": 184}, megatron_optimizer=False) is None
+    problem = ckpt.layout_problem(dp, {**SAME, "data": 184}, megatron_optimizer=True)
+    assert "data 8 -> 184" in problem and "40000000 -> 184000000" in problem
+    problem = ckpt.layout_problem(dp, {**SAME, "tensor": 2, "spec": "portable"},
+                                  megatron_optimizer=True)
+    assert "tensor 1 -> 2" in problem and "spec te -> portable" in problem
+    assert "trainer.checkpoint_layout=fully_reshardable" in problem
+    assert "model.init_from=" in problem
+
+
+@pytest.fixture(scope="module")
+def sharded_model(parallel_context):
+    """A small model with the distributed optimizer (one shard at DP=1), one Adam step taken."""
+    return _build(parallel_context, step=True)
+
+
+def _build(ctx, step: bool):
+    from model.build import build_model
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import PrecisionConfig
+    from training.config import TrainerConfig
+
+    torch.manual_seed(0)
+    core = build_model(ModelConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=128,
+                                   pattern="M*-"), PrecisionConfig(name="bf16", format="bf16"),
+                       vocab_size=256, backend="emulated", params_dtype=mp.PARAMS_DTYPE).module
+    _, optimizer = mp.build_data_parallel_model(core, TrainerConfig(distributed_optimizer=True),
+                                                ctx)
+    if step:
+        optimizer.model.grad_data.normal_()
+        optimizer.step()
+    return core, optimizer
+
+
+def _state(core, optimizer) -> dict:
+    out = {f"model.{k}": v.clone() for k, v in core.state_dict().items()
+           if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    for n, (*_, master) in enumerate(optimizer.pieces):
+        out[f"master.{n}"] = master.detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):  # none before the first step or load
+            if key in optimizer.adam.state[master]:
+                out[f"{key}.{n}"] = optimizer.adam.state[master][key].clone()
+    return out
+
+
+def _stored_keys(path) -> set[str]:
+    from training.safe_load import SafeFileSystemReader
+
+    return set(SafeFileSystemReader(path / "dist").read_metadata().state_dict_metadata)
+
+
+@pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
+def test_each_layout_restores_weights_and_both_moments(tmp_path, parallel_context, sharded_model,
+                                                       layout, caplog):
+    core, optimizer = sharded_model
+    path = ckpt.save_checkpoint(tmp_path, 3, parallel_context, model=core, optimizer=optimizer,
+                                optimizer_format="cpu-twin", trainer_state={"step": 3},
+                                keep_last=0, optimizer_layout=layout)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    assert (manifest["optimizer_layout"], manifest["spec"], manifest["data_parallel"]) == (
+        layout, "portable", 1)
+    stored = _stored_keys(path)
+    per_parameter = {k for k in stored if k.startswith("optimizer.state.")}
+    flat = {k for k in stored if k.startswith("optimizer.dp_reshardable.")}
+    if layout == "dp_reshardable":  # one flat span per state, no tensor per parameter
+        assert not per_parameter and flat == {
+            f"optimizer.dp_reshardable.tp0of1.pp0of1.{k}" for k in mp.OPTIMIZER_STATE_KEYS}
+    else:
+        assert not flat and "optimizer.state.exp_avg.decoder.layers.0.norm.weight" in per_parameter
+    fresh_core, fresh_optimizer = _build(parallel_context, step=False)
+    with caplog.at_level("INFO", logger="nvfp4_pretrain"):
+        out = ckpt.load_checkpoint(path, parallel_context, fresh_core, fresh_optimizer, "cpu-twin")
+    assert out["optimizer_layout"] == layout
+    assert f"optimizer state in the {layout} layout, written at data parallel 1" in caplog.text
+    expected, got = _state(core, optimizer), _state(fresh_core, fresh_optimizer)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_a_dp_reshardable_checkpoint_of_the_other_spec_is_refused_before_anything_is_read(
+        tmp_path, parallel_context, sharded_model):
+    """Its flat buffers list the parameters in the writer's order, which the specs do not share
+    (TE's pre-norm is a parameter of the first linear): refused, naming the way forward."""
+    core, optimizer = sharded_model
+    path = ckpt.save_checkpoint(tmp_path, 2, parallel_context, model=core, optimizer=optimizer,
+                                optimizer_format="cpu-twin", trainer_state={"step": 2},
+                                keep_last=0, optimizer_layout="dp_reshardable", spec="te")
+    fresh_core, fresh_optimizer = _build(parallel_context, step=False)
+    before = _state(fresh_core, fresh_optimizer)
+    with pytest.raises(ckpt.CheckpointMismatch, match="spec te -> portable") as caught:
+        ckpt.load_checkpoint(path, parallel_context, fresh_core, fresh_optimizer, "cpu-twin")
+    assert "\n" not in str(caught.value)
+    after = _state(fresh_core, fresh_optimizer)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _saving_as_te(monkeypatch):
+    """save_checkpoint writing what a TE-spec run writes: every key renamed through
+    model/hf.py:spec_key (weights and per-parameter optimizer state) and "te" in the manifest.
+    The TE spec cannot be built on CPU; this is its checkpoint's naming, on the same numbers."""
+    real_state, real_save = ckpt._sharded_state, ckpt.save_checkpoint
+
+    def te_named(model, optimizer, is_loading, layout):
+        return ckpt._in_spec(real_state(model, optimizer, is_loading, layout), "te")
+
+    monkeypatch.setattr(ckpt, "_sharded_state", te_named)
+    monkeypatch.setattr(ckpt, "save_checkpoint",
+                        lambda *a, **kw: real_save(*a, **{**kw, "spec": "te"}))
+
+
+def test_a_te_named_checkpoint_resumes_on_the_portable_spec_and_back(
+        tmp_path, parallel_context, sharded_model, monkeypatch, caplog):
+    core, optimizer = sharded_model
+    with monkeypatch.context() as patch:
+        _saving_as_te(patch)
+        path = ckpt.save_checkpoint(tmp_path / "te", 4, parallel_context, model=core,
+                                    optimizer=optimizer, optimizer_format="cpu-twin",
+                                    trainer_state={"step": 4}, keep_last=0,
+                                    optimizer_layout="fully_reshardable")
+    stored = _stored_keys(path)
+    assert "decoder.layers.0.mixer.in_proj.layer_norm_weight" in stored
+    assert "optimizer.state.exp_avg.mlp.linear_fc1.layer_norm_weight" not in stored
+    assert "optimizer.state.exp_avg.decoder.layers.2.mlp.linear_fc1.layer_norm_weight" in stored
+    assert not {"decoder.layers.0.norm.weight", "decoder.layers.1.input_layernorm.weight",
+                "decoder.layers.2.pre_mlp_layernorm.weight"} & stored
+    # TE -> portable: the portable model asks for its own names, translated to the checkpoint's
+    fresh_core, fresh_optimizer = _build(parallel_context, step=False)
+    with caplog.at_level("INFO", logger="nvfp4_pretrain"):
+        out = ckpt.load_checkpoint(path, parallel_context, fresh_core, fresh_optimizer, "cpu-twin",
+                                   spec="portable")
+    assert out["spec"] == "te"
+    assert "keys of the te spec translated to the portable spec's" in caplog.text
+    expected = _state(core, optimizer)
+    got = _state(fresh_core, fresh_optimizer)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+    # portable -> TE: a model whose requests carry TE's names (as a TE-spec model's do) reads a
+    # portable checkpoint through the same mapping
+    portable = ckpt.save_checkpoint(tmp_path / "portable", 4, parallel_context, model=core,
+                                    optimizer=optimizer, optimizer_format="cpu-twin",
+                                    trainer_state={"step": 4}, keep_last=0,
+                                    optimizer_layout="fully_reshardable")
+    te_core, te_optimizer = _build(parallel_context, step=False)
+    real_state = ckpt._sharded_state
+    monkeypatch.setattr(ckpt, "_sharded_state",
+                        lambda *a: ckpt._in_spec(real_state(*a), "te"))
+    out = ckpt.load_checkpoint(portable, parallel_context, te_core, te_optimizer, "cpu-twin",
+                               spec="te")
+    assert out["spec"] == "portable"
+    got = _state(te_core, te_optimizer)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_cpu_twin_and_megatron_optimizer_state_cannot_cross_and_the_refusal_says_what_can(
+        tmp_path):
+    (tmp_path / ckpt.MANIFEST).write_text(json.dumps({"optimizer_format": "megatron"}))
+    with pytest.raises(ValueError) as caught:
+        ckpt.load_checkpoint(tmp_path, None, None, None, "cpu-twin")
+    message = str(caught.value)
+    assert "CPU twin" in message and "cannot be resumed across" in message
+    assert f"model.init_from={tmp_path.parents[1]}" in message  # the run.dir of checkpoints/step_N
+
+
+# A demo run "on the TE spec" as far as a CPU allows: train.py with its checkpoints written as
+# the TE spec names them (the wrapper below), then plain train.py (the portable spec) resumes.
+SAVE_AS_TE = """
+import runpy, sys
+sys.path.insert(0, {repo!r})
+import training.checkpoint as ckpt
+
+real_state, real_save = ckpt._sharded_state, ckpt.save_checkpoint
+ckpt._sharded_state = lambda *a: ckpt._in_spec(real_state(*a), "te")
+ckpt.save_checkpoint = lambda *a, **kw: real_save(*a, **{{**kw, "spec": "te"}})
+sys.argv = [{train!r}, *sys.argv[1:]]
+runpy.run_path({train!r}, run_name="__main__")
+"""
+ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
+
+
+@pytest.mark.slow
+def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, data_cache):
+    from test_reshard import _rewind_to_step_2
+
+    whole = tmp_path / "portable"
+    proc = run_train(whole, *ARGS, cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    expected = step_losses(whole)
+
+    script = tmp_path / "save_as_te.py"
+    script.write_text(textwrap.dedent(SAVE_AS_TE.format(repo=str(REPO),
+                                                         train=str(REPO / "train.py"))))
+    te = tmp_path / "te-run"
+    proc = run_train(te, *ARGS, cache_dir=data_cache, script=script)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    crossed = tmp_path / "crossed"
+    _rewind_to_step_2(te, crossed)
+    manifest = json.loads((crossed / "checkpoints" / "step_0000002" / ckpt.MANIFEST).read_text())
+    assert manifest["spec"] == "te"
+    proc = run_train(crossed, *ARGS, cache_dir=data_cache)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert re.search(r"step_0000002: optimizer state in the fully_reshardable layout.*keys of the "
+                     r"te spec translated to the portable spec's", log), log[-3000:]
+    got = step_losses(crossed)
+    assert [got[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]  # bit for bit
