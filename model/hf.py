@@ -238,6 +238,8 @@ def check_init_from(cfg: ModelConfig, vocab_size: Optional[int] = None) -> dict:
     every mismatching field. Returns the config.json fields.
     """
     hf_dir = Path(cfg.init_from).expanduser()
+    if (hf_dir / "config.yaml").is_file() and not (hf_dir / "config.json").exists():
+        return {}  # a train.py run directory: training/init_from.py checks and reads it
     hf = read_hf_config(hf_dir)
     problems = config_mismatches(hf, cfg, vocab_size)
     if problems:

@@ -188,6 +188,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     cfg.run.validate()
     check_ranges(cfg)
     cfg.model.validate()
+    if cfg.model.init_from is not None:
+        from .init_from import check_run_init, is_run_dir
+
+        if is_run_dir(cfg.model.init_from):  # its shape and a usable checkpoint, read-only
+            check_run_init(cfg.model)
     validate_config(cfg.data, check_files=not cfg.run.dry_run)
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     if t < 1 or p < 1 or world_size % (t * p):

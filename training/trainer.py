@@ -142,10 +142,15 @@ class Trainer:
         # What flows between pipeline stages: [sequence, micro-batch, hidden] activations.
         self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
         self.core = self.built.module.to(ctx.device)  # the unwrapped megatron model
-        if cfg.model.init_from:  # a NemotronH directory's weights, before the optimizer copies them
-            from model.hf import load_hf_weights  # (a resume below still wins over them)
+        if cfg.model.init_from:  # a NemotronH directory's or a run's weights, before the optimizer
+            from model.hf import load_hf_weights  # copies them (a resume below still wins)
 
-            load_hf_weights(self.core, cfg.model, self.data.vocab_size, self.data.tokenizer)
+            from .init_from import is_run_dir, load_run_weights
+
+            if is_run_dir(cfg.model.init_from):
+                load_run_weights(self.core, cfg.model)
+            else:
+                load_hf_weights(self.core, cfg.model, self.data.vocab_size, self.data.tokenizer)
         # BF16 weights, FP32 main grads and master weights (megatron's DDP and optimizer on GPUs).
         self.model, self.optimizer = build_data_parallel_model(self.core, tr, ctx)
         self.optimizer_format = optimizer_checkpoint_format(ctx.device, tr.distributed_optimizer)

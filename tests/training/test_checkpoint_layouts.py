@@ -243,3 +243,44 @@ def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, 
                      r"te spec translated to the portable spec's", log), log[-3000:]
     got = step_losses(crossed)
     assert [got[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]  # bit for bit
+
+
+def _run_dir_with_checkpoint(root, ctx, core, optimizer, model_cfg):
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    root.mkdir()
+    (root / "config.yaml").write_text(OmegaConf.to_yaml({"model": dataclasses.asdict(model_cfg)}))
+    ckpt.save_checkpoint(root / "checkpoints", 2, ctx, model=core, optimizer=optimizer,
+                         optimizer_format="cpu-twin", trainer_state={"step": 2}, keep_last=0,
+                         optimizer_layout="dp_reshardable")
+
+
+def test_init_from_a_run_directory_takes_its_weights_alone(tmp_path, parallel_context,
+                                                           sharded_model):
+    """The way forward where optimizer state cannot cross: the weights of the run's newest
+    checkpoint, at any layout; a model of another shape is refused naming the field."""
+    import dataclasses
+
+    from model.config import ModelConfig
+    from model.hf import HFError, check_init_from
+    from training.init_from import check_run_init, is_run_dir, load_run_weights
+
+    core, optimizer = sharded_model
+    model_cfg = ModelConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=128, pattern="M*-")
+    run = tmp_path / "run"
+    _run_dir_with_checkpoint(run, parallel_context, core, optimizer, model_cfg)
+    cfg = dataclasses.replace(model_cfg, init_from=str(run))
+    assert is_run_dir(run) and check_init_from(cfg) == {}  # not read as a Hugging Face dir
+    assert check_run_init(cfg) == run / "checkpoints" / "step_0000002"
+    torch.manual_seed(7)
+    fresh_core, _ = _build(parallel_context, step=False)
+    load_run_weights(fresh_core, cfg)
+    want, got = core.state_dict(), fresh_core.state_dict()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor) and not key.endswith("_extra_state"):
+            assert torch.equal(value, got[key]), key
+    with pytest.raises(HFError, match=r"model.hidden_size=96 but the run has 64") as caught:
+        check_run_init(dataclasses.replace(cfg, hidden_size=96))
+    assert "\n" not in str(caught.value)
