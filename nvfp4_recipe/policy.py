@@ -78,6 +78,10 @@ class PrecisionConfig:
     gemm_compute: GemmComputeChoice = GemmComputeChoice.auto
     # Quantization diagnostics every N optimizer steps (0 = off).
     diagnostics_every: int = 0
+    # Each low-precision linear's input amax, a running max over the last N optimizer steps,
+    # saved in checkpoints: the activation scales of an NVFP4 serving export (0 = off;
+    # nvfp4_recipe/megatron/input_amax.py).
+    input_amax_steps: int = 1000
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
     # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> bf16 | fp8 | mxfp4 |
     # nvfp4. Beats format and the BF16 first/last layers; see `resolve_overrides`.
@@ -122,6 +126,9 @@ def validate_precision(cfg: PrecisionConfig) -> None:
         )
     if cfg.diagnostics_every < 0:
         raise ValueError(f"precision.diagnostics_every={cfg.diagnostics_every} must be >= 0")
+    if cfg.input_amax_steps < 0:
+        raise ValueError(f"precision.input_amax_steps={cfg.input_amax_steps} must be >= 0 "
+                         "(0 = off)")
     for pattern, fmt in cfg.overrides.items():
         if not isinstance(pattern, str) or not pattern.strip():
             raise ValueError(f"precision.overrides: {pattern!r} is not a module-name pattern")

@@ -190,7 +190,8 @@ class Trainer:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(),
                 "data": self.data.train.state_dict(), "wandb_id": self.wandb_id,
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
-                "consumed_tokens": self.consumed_tokens}
+                "consumed_tokens": self.consumed_tokens,
+                "input_amax": self.precision.input_amax.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -199,6 +200,8 @@ class Trainer:
         self.skipped_steps = self.skipped_at_last_save = state["skipped_steps"]
         # checkpoints written before max_consecutive_skips existed have no such counter
         self.consecutive_skips = state.get("consecutive_skips", 0)
+        if "input_amax" in state:  # checkpoints written before it existed start an empty window
+            self.precision.input_amax.load_state_dict(state["input_amax"])
 
     @property
     def consumed_tokens(self) -> int:
@@ -211,6 +214,7 @@ class Trainer:
         if not finite.item():
             log.error("not writing a checkpoint: the weights contain NaN/Inf")
             return
+        self.precision.input_amax.all_reduce()  # every rank's linears and batches, for rank 0
         try:
             path = ckpt.save_checkpoint(
                 self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,

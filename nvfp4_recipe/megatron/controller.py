@@ -22,6 +22,7 @@ import torch
 
 from nvfp4_recipe.policy import PrecisionConfig, describe_kernels, low_precision_formats
 
+from .input_amax import InputAmaxRecorder
 from .te_runtime import modules_with_weight_cache, refresh_quantized_weights
 
 
@@ -52,6 +53,9 @@ class PrecisionController:
         self.state = built.runtime_state
         self.tokens_per_step, self.total_tokens = tokens_per_step, total_tokens
         self.weight_caches = modules_with_weight_cache(self.model)  # TE's quantized weights
+        # The running input amax of the low-precision linears (saved in checkpoints).
+        self.input_amax = InputAmaxRecorder(*low_precision_linears(self.model, self.policy),
+                                            precision.input_amax_steps, _device_of(self.model))
 
     @property
     def quantizes(self) -> bool:
@@ -88,6 +92,7 @@ class PrecisionController:
 
     def after_step(self, step: int) -> dict[str, float]:
         """The step's precision metrics ({} unless diagnostics were due)."""
+        self.input_amax.end_step()
         if not self.state.collect_diagnostics:
             return {}
         self.state.collect_diagnostics = False
@@ -102,6 +107,30 @@ class PrecisionController:
 
     def before_evaluation(self) -> None:
         refresh_quantized_weights(self.weight_caches)  # the weights the last step produced
+
+
+def low_precision_linears(model: torch.nn.Module, policy) -> tuple[list[str], dict]:
+    """(every low-precision linear's name in the whole model, {name: module} of those this rank
+    holds and records), names as the policy gives them: `layers.<pattern index>.<module name>`."""
+    formats = policy.linear_formats() if hasattr(policy, "linear_formats") else {}
+    names = [name for name, fmt in formats.items() if fmt != "bf16"]
+    decoder = getattr(model, "decoder", None)
+    offset = getattr(decoder, "layer_offset", 0)  # the first layer of this pipeline stage
+    held = {}
+    for local, layer in enumerate(getattr(decoder, "layers", None) or []):
+        index = offset + local
+        for name in policy.linear_names.get(policy.layer_kinds[index], ()):
+            key = f"layers.{index}.{name}"
+            module = layer.get_submodule(name)
+            # Emulated linears record (parallel_linear.py); TE's do not (input_amax.py).
+            if formats.get(key, "bf16") != "bf16" and hasattr(type(module), "input_amax"):
+                held[key] = module
+    return names, held
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def diagnostics_summary(diag: dict[str, float]) -> str:

@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from nvfp4_recipe.diagnostics import quantization_error_stats
 from nvfp4_recipe.linear import WeightOperandCache, quantized_linear
+from nvfp4_recipe.megatron.input_amax import record_input_amax
 from nvfp4_recipe.policy import RuntimePrecisionState
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -30,6 +31,10 @@ COMPUTE_DTYPE = torch.bfloat16
 
 class _PrecisionLinearMixin:
     """The GEMM of a megatron parallel linear, routed by the layer's precision decision."""
+
+    # A 0-d FP32 device tensor while the precision controller records this linear's running
+    # input amax (input_amax.py, the activation scales of an NVFP4 serving export); None: off.
+    input_amax: Optional[torch.Tensor] = None
 
     def _init_precision(self, gemm_format: str, gemm_config, runtime_state):
         self.gemm_format = gemm_format
@@ -62,6 +67,8 @@ class _PrecisionLinearMixin:
     def _precision_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         out_dtype = x.dtype
         x_c, w_c = x.to(COMPUTE_DTYPE), weight.to(COMPUTE_DTYPE)
+        if self.input_amax is not None:  # the GEMM input as TE would quantize it (no host sync)
+            record_input_amax(self.input_amax, x_c)
         config = self._active_gemm_config()
         if config is None:
             out = F.linear(x_c, w_c)

@@ -1,0 +1,130 @@
+"""The input amax of every low-precision linear: a running maximum over the last N optimizer steps.
+
+A W4A4 serving engine quantizes each linear's input with one *static* per-tensor global scale
+(compressed-tensors' `input_global_scale`, ModelOpt's `input_scale`), where training computed the
+tensor scale of every activation from its own amax (TE's current scaling). The amax the training
+saw over its last N steps is the calibration that needs no extra data: `training/hf_export.py
+--weights nvfp4` turns it into each format's scale (issue 27).
+
+How it is recorded, without a host sync:
+- each emulated linear (parallel_linear.py) holding a 0-d FP32 device tensor `input_amax` folds
+  `max |x|` of every GEMM input into it (training and evaluation forwards; a NaN/Inf amax counts
+  as 0, so a skipped step does not poison the window);
+- `end_step` (the controller's `after_step`) moves those into one row of a (N, linears) ring on
+  the device and zeroes them;
+- `all_reduce` (the trainer, before each checkpoint) takes the MAX over every rank, so the table
+  holds every pipeline stage's linears, the full input of row-parallel linears (each tensor-
+  parallel rank sees a K-slice) and every data-parallel rank's batches; then `state_dict` goes
+  into trainer.pt and `load_state_dict` restores it on resume (a checkpoint without it starts an
+  empty window).
+Linears built from TE's layer spec (GPU runs) have no `input_amax` and are not recorded:
+`recorded` says which were.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def record_input_amax(amax: torch.Tensor, x: torch.Tensor) -> None:
+    """amax <- max(amax, max |x|), in place on the device; a non-finite max |x| counts as 0."""
+    if x.numel() == 0:
+        return
+    seen = torch.nan_to_num(x.detach().abs().amax().float(), nan=0.0, posinf=0.0)
+    torch.maximum(amax, seen, out=amax)
+
+
+class InputAmaxRecorder:
+    """The running input amax of a model's low-precision linears (see the module docstring).
+
+    `names`: every low-precision linear of the whole model, `layers.<pattern index>.<module>`
+    (the precision policy's names, the same list on every rank); `modules`: {name: module} of
+    the ones this rank holds and can record (an emulated linear)."""
+
+    def __init__(self, names: list[str], modules: Mapping[str, torch.nn.Module], window: int,
+                 device: torch.device | str = "cpu"):
+        if window < 0:
+            raise ValueError(f"input amax window={window} must be >= 0 (0 = off)")
+        self.names = list(names)
+        self.window = window
+        self.steps = 0  # rows written in total; the next goes to steps % window
+        columns = {n: i for i, n in enumerate(self.names)}
+        self._modules = [(columns[n], m) for n, m in modules.items() if n in columns] \
+            if window else []
+        for _, module in self._modules:
+            module.input_amax = torch.zeros((), dtype=torch.float32, device=device)
+        self._columns = torch.tensor([c for c, _ in self._modules], dtype=torch.long,
+                                     device=device)
+        self.history = torch.zeros(max(window, 1), len(self.names), dtype=torch.float32,
+                                   device=device)
+        self.recorded = torch.zeros(len(self.names), dtype=torch.float32, device=device)
+        self.recorded[self._columns] = 1.0
+
+    def end_step(self) -> None:
+        """One optimizer step done: its amaxes become the newest row of the window."""
+        if not self.window:
+            return
+        row = self.history[self.steps % self.window]
+        row.zero_()
+        if self._modules:
+            amaxes = [m.input_amax for _, m in self._modules]
+            row.index_copy_(0, self._columns, torch.stack(amaxes))
+            torch._foreach_zero_(amaxes)
+        self.steps += 1
+
+    def all_reduce(self, group=None) -> None:
+        """MAX over the ranks of `group` (collective: every rank calls it at the same point)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+            return
+        both = torch.cat([self.history, self.recorded.unsqueeze(0)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        self.history.copy_(both[:-1])
+        self.recorded.copy_(both[-1])
+
+    def state_dict(self) -> dict:
+        return {"names": list(self.names), "window": self.window, "steps": self.steps,
+                "history": self.history.detach().cpu().clone(),
+                "recorded": self.recorded.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a saved window, matched by linear name (a name not saved starts empty); a
+        longer saved window keeps its newest rows."""
+        if not self.window:
+            return
+        rows = _rows_oldest_first(state)[-self.window:]
+        self.history.zero_()
+        self.recorded.zero_()
+        self.recorded[self._columns] = 1.0
+        saved = {n: i for i, n in enumerate(state["names"])}
+        for column, name in enumerate(self.names):
+            if name in saved:
+                self.history[: len(rows), column] = rows[:, saved[name]].to(self.history.device)
+                if state["recorded"][saved[name]] > 0:
+                    self.recorded[column] = 1.0
+        self.steps = len(rows)
+
+
+def _rows_oldest_first(state: Mapping) -> torch.Tensor:
+    window, steps, history = int(state["window"]), int(state["steps"]), state["history"]
+    if window == 0 or steps == 0:
+        return history[:0]
+    filled = min(steps, window)
+    order = [(steps - filled + j) % window for j in range(filled)]
+    return history[order]
+
+
+def running_input_amax(state: Optional[Mapping]) -> tuple[dict[str, float], int]:
+    """({linear name: max input amax over the saved window} for the recorded linears, the number
+    of steps in the window) from a recorder's `state_dict` (None: a checkpoint without one)."""
+    if not state:
+        return {}, 0
+    rows = _rows_oldest_first(state)
+    if not len(rows):
+        return {}, 0
+    top = rows.amax(dim=0)
+    return ({n: float(top[i]) for i, n in enumerate(state["names"]) if state["recorded"][i] > 0},
+            len(rows))
