@@ -27,8 +27,34 @@ def quantize_dequantize(x: torch.Tensor, config: QuantConfig, role: Role = "acti
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not supported; use one of {ROLES}")
     ops = ops_for(config)
-    generator = torch.Generator(device=x.device).manual_seed(_DIAGNOSTICS_SEED)
-    return ops.quantize_dequantize(x, role, generator)
+    return ops.quantize_dequantize(x, role, _private_generator(x.device))
+
+
+def _private_generator(device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded with _DIAGNOSTICS_SEED (seeding is host-side: no sync)."""
+    return torch.Generator(device=device).manual_seed(_DIAGNOSTICS_SEED)
+
+
+def quantization_error_tensors(
+    x: torch.Tensor, config: QuantConfig, role: Role = "activation"
+) -> dict[str, torch.Tensor]:
+    """quantization_error_stats as 0-d FP32 tensors on x's device, computed without a host sync:
+    a caller that records many layers reads them all at once (nvfp4_recipe/megatron/controller.py
+    reads a step's diagnostics with one `.tolist()`), instead of ~5 syncs per role per linear."""
+    with torch.no_grad():
+        x_hat = quantize_dequantize(x, config, role)
+        x32 = x.detach().float()
+        norm = torch.linalg.vector_norm(x32)
+        error = torch.linalg.vector_norm(x_hat - x32)
+        nonzero = x32 != 0
+        n_nonzero = nonzero.sum()
+        flushed = (nonzero & (x_hat == 0)).sum()
+        zero = torch.zeros((), dtype=torch.float32, device=x32.device)
+        return {
+            "rel_error": torch.where(norm > 0, error / norm.clamp_min(torch.finfo(torch.float32).tiny), zero),
+            "zero_frac": torch.where(n_nonzero > 0, flushed / n_nonzero.clamp_min(1), zero).float(),
+            "amax": x32.abs().amax() if x32.numel() else zero,
+        }
 
 
 def quantization_error_stats(
@@ -38,17 +64,8 @@ def quantization_error_stats(
     zero, "amax": max |x|} for x quantized as `role` under `config` (see quantize_dequantize).
 
     An all-zero x gives rel_error 0 and zero_frac 0. Uses a private RNG for stochastic rounding.
+    One host sync (quantization_error_tensors reads the same values without any).
     """
-    with torch.no_grad():
-        x_hat = quantize_dequantize(x, config, role)
-        x32 = x.detach().float()
-        norm = torch.linalg.vector_norm(x32)
-        error = torch.linalg.vector_norm(x_hat - x32)
-        nonzero = x32 != 0
-        n_nonzero = int(nonzero.sum())
-        flushed = int((nonzero & (x_hat == 0)).sum())
-        return {
-            "rel_error": float(error / norm) if float(norm) > 0 else 0.0,
-            "zero_frac": flushed / n_nonzero if n_nonzero else 0.0,
-            "amax": float(x32.abs().max()) if x32.numel() else 0.0,
-        }
+    stats = quantization_error_tensors(x, config, role)
+    values = torch.stack(list(stats.values())).tolist()
+    return dict(zip(stats, values))

@@ -15,8 +15,14 @@ from nvfp4_recipe.parts import part
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 FP32_MAX = torch.finfo(torch.float32).max
-# fp32(1/6): TE multiplies by the FP32 reciprocal of 6 instead of dividing (notes, step 4).
-FP32_RECIPROCAL_OF_6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)
+# fp32(1/6): TE multiplies by the FP32 reciprocal of 6 instead of dividing (notes, step 4). A
+# Python float holding that FP32 value exactly, never a tensor: a CPU tensor constant would be
+# copied to the GPU at every quantization, and a host-to-device copy without non_blocking waits for
+# the stream (PyTorch aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda -> memcpy_and_sync). An
+# FP32 tensor times it is the FP32 product either way: torch converts the scalar to the tensor's
+# FP32 opmath type, and a backend computing in double would get the same rounded product (two
+# 24-bit significands multiply exactly in 53 bits). tests/nvfp4_recipe/test_host_syncs.py.
+FP32_RECIPROCAL_OF_6 = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()
 
 # Magnitudes of codes 0..7; codes 8..15 are their negatives (code 8 is -0.0).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

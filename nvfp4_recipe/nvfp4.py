@@ -108,7 +108,7 @@ def block_scales(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E4M3 block scales s, FP32 encode scales e, S_dec) from block and tensor amax (notes 2-5)."""
     s_enc, s_dec = tensor_scales(amax)
-    multiplier = s_enc * FP32_RECIPROCAL_OF_6.to(s_enc.device)  # formed first, in FP32
+    multiplier = s_enc * FP32_RECIPROCAL_OF_6  # formed first, in FP32
     scale = torch.clamp(vec_max * multiplier, max=FP32_MAX).clamp_(-E4M3_MAX, E4M3_MAX)
     scale_e4m3 = scale.to(torch.float8_e4m3fn)  # round to nearest even
     encode = torch.clamp(torch.div(1.0, scale_e4m3.float() * s_dec), max=FP32_MAX)

@@ -37,17 +37,29 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return total, tokens, {REPORT_KEY: torch.stack([total.detach(), mask.sum()])}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the run's device without waiting for the GPU: a blocking host-to-device
+    copy synchronizes the stream (PyTorch aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda ->
+    memcpy_and_sync), and an asynchronous one from pageable memory may too (the driver stages it
+    through pinned memory, CUDA runtime API, "API synchronization behavior"). So: pinned, then
+    non_blocking, as torch's DataLoader(pin_memory=True) does; the caching host allocator keeps
+    the pinned block until the copy is done. A CPU run gets the tensor itself."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def make_forward_step(ctx: ParallelContext) -> Callable:
     """megatron's `forward_step_func(data_iterator, model) -> (output, loss_func)`."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        tokens = batch["tokens"].to(ctx.device)
+        tokens = to_device(batch["tokens"], ctx.device)
         if ctx.last_stage:
-            output = model(tokens, None, None, labels=batch["labels"].to(ctx.device))
+            output = model(tokens, None, None, labels=to_device(batch["labels"], ctx.device))
         else:
             output = model(tokens, None, None)
-        return output, partial(loss_func, batch["loss_mask"].to(ctx.device))
+        return output, partial(loss_func, to_device(batch["loss_mask"], ctx.device))
 
     return forward_step
 

@@ -96,14 +96,18 @@ class PrecisionController:
         if not self.state.collect_diagnostics:
             return {}
         self.state.collect_diagnostics = False
-        out = {}
+        keys, values = [], []
         for name, module in self.model.named_modules():
             for role, stats in getattr(module, "diagnostics", {}).items():
                 for stat, value in stats.items():
-                    out[f"quant/{name.removeprefix('decoder.')}/{role}/{stat}"] = float(value)
+                    keys.append(f"quant/{name.removeprefix('decoder.')}/{role}/{stat}")
+                    values.append(torch.as_tensor(value, dtype=torch.float32))
             if hasattr(module, "diagnostics"):
                 module.diagnostics = {}
-        return out
+        if not values:
+            return {}
+        # The linears' statistics stay on the device until here: one host sync for all of them.
+        return dict(zip(keys, torch.stack([v.to(values[0].device) for v in values]).tolist()))
 
     def before_evaluation(self) -> None:
         refresh_quantized_weights(self.weight_caches)  # the weights the last step produced

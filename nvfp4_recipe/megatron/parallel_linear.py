@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from nvfp4_recipe.diagnostics import quantization_error_stats
+from nvfp4_recipe.diagnostics import quantization_error_tensors
 from nvfp4_recipe.linear import WeightOperandCache, quantized_linear
 from nvfp4_recipe.megatron.input_amax import record_input_amax
 from nvfp4_recipe.policy import RuntimePrecisionState
@@ -40,14 +40,16 @@ class _PrecisionLinearMixin:
         self.gemm_format = gemm_format
         self.gemm_config = gemm_config
         self.runtime_state = runtime_state or RuntimePrecisionState()
-        # Filled when runtime_state.collect_diagnostics is on: {"activation": {...}, ...}.
-        self.diagnostics: dict[str, dict[str, float]] = {}
+        # Filled when runtime_state.collect_diagnostics is on: {"activation": {...}, ...}, 0-d
+        # device tensors that the controller reads with one host sync per step.
+        self.diagnostics: dict[str, dict[str, torch.Tensor]] = {}
         # TE's protocol for its quantized-weight cache, which the trainer already drives
         # (te_runtime.refresh_quantized_weights sets True at the start of every step and
         # evaluation): True -> quantize the weight and keep it, False -> reuse it, None (the
         # default, outside the trainer) -> quantize at every call.
         self.is_first_microbatch: Optional[bool] = None
         self.weight_cache = WeightOperandCache()
+        self._partial_config = None  # ((forward, backward), config) after a partial switch
 
     def _active_gemm_config(self):
         """The config for this call, after the in-run switch to BF16 (None = plain BF16)."""
@@ -58,11 +60,14 @@ class _PrecisionLinearMixin:
             return self.gemm_config
         if not state.forward_quantized and not state.backward_quantized:
             return None
-        return dataclasses.replace(
-            self.gemm_config,
-            quantize_forward=state.forward_quantized,
-            quantize_backward=state.backward_quantized,
-        )
+        # One config object per partial switch: the weight cache keeps its operands while it is
+        # handed the same config (WeightOperandCache.for_config compares identity), so a new
+        # object per call would requantize the weight at every micro-batch.
+        key = (state.forward_quantized, state.backward_quantized)
+        if self._partial_config is None or self._partial_config[0] != key:
+            self._partial_config = key, dataclasses.replace(
+                self.gemm_config, quantize_forward=key[0], quantize_backward=key[1])
+        return self._partial_config[1]
 
     def _precision_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         out_dtype = x.dtype
@@ -91,12 +96,12 @@ class _PrecisionLinearMixin:
 
     @torch.no_grad()
     def _record_diagnostics(self, x, w, config):
-        self.diagnostics["activation"] = quantization_error_stats(x, config, role="activation")
-        self.diagnostics["weight"] = quantization_error_stats(w, config, role="weight")
+        self.diagnostics["activation"] = quantization_error_tensors(x, config, role="activation")
+        self.diagnostics["weight"] = quantization_error_tensors(w, config, role="weight")
 
     @torch.no_grad()
     def _record_gradient(self, grad, config):
-        self.diagnostics["gradient"] = quantization_error_stats(grad, config, role="gradient")
+        self.diagnostics["gradient"] = quantization_error_tensors(grad, config, role="gradient")
         return None
 
 

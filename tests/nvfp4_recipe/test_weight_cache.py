@@ -120,3 +120,38 @@ def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(
     assert plain_counts[0]["fprop"] == 2 * nvfp4_linears  # two micro-batches each
     assert counts == [{"fprop": nvfp4_linears, "dgrad": nvfp4_linears}] * 2
     assert losses == plain_losses and torch.equal(params, plain_params)
+
+
+def test_partial_switch_to_bf16_keeps_the_cached_weight(parallel_context, monkeypatch):
+    """After `switch_to_bf16` with passes=forward only the backward stays quantized: the layer
+    hands the weight cache one config for the whole switch, so the weight's Dgrad operand is
+    still quantized once per step, not at every micro-batch (parallel_linear.py)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nvfp4_recipe.megatron.parallel_linear import PrecisionColumnParallelLinear
+    from nvfp4_recipe.policy import RuntimePrecisionState
+
+    calls = _count_weight_quantizations(monkeypatch)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1,
+                               use_cpu_initialization=True, params_dtype=torch.bfloat16)
+    state = RuntimePrecisionState()
+    linear = PrecisionColumnParallelLinear(
+        64, 32, config=config, init_method=torch.nn.init.normal_, bias=False,
+        gather_output=False, gemm_format="nvfp4", gemm_config=NVFP4Config(), runtime_state=state)
+    xs = [torch.randn(8, 2, 64).bfloat16().requires_grad_() for _ in range(3)]
+
+    def step():
+        calls.update(fprop=0, dgrad=0)
+        refresh_quantized_weights([linear])
+        for x in xs:
+            linear(x)[0].float().square().sum().backward()
+        return dict(calls)
+
+    assert step() == {"fprop": 1, "dgrad": 1}
+    state.switched_passes = "forward"  # Fprop in BF16, Dgrad and Wgrad still NVFP4
+    # The Dgrad copy comes from the 16x16 tiles (weight_fprop) once per step; with a new config
+    # object per call it was 3 of each, one per micro-batch.
+    assert step() == {"fprop": 1, "dgrad": 1}
+    assert step() == {"fprop": 1, "dgrad": 1}
+    state.switched_passes = "all"
+    assert step() == {"fprop": 0, "dgrad": 0}
