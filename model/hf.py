@@ -150,7 +150,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, **ids):
     return config
 
 
-def write_config(directory: Path, config) -> None:
+def write_config(directory: Path, config, quantization_config: Optional[dict] = None) -> None:
     """config.json as transformers writes it, the layers given as NVIDIA's published configs give
     them: `hybrid_override_pattern` (+ `num_hidden_layers`). transformers' own list has changed
     names across releases ("mamba"/"attention" in 5.10.4, "linear_attention"/"full_attention" in
@@ -163,6 +163,8 @@ def write_config(directory: Path, config) -> None:
     fields.pop("mtp_layers_block_type", None)  # MTP is off (num_nextn_predict_layers = 0)
     fields["hybrid_override_pattern"] = "".join(HF_SYMBOLS[t] for t in layers)
     fields["num_hidden_layers"] = len(layers)
+    if quantization_config is not None:  # an NVFP4 serving export (model/hf_nvfp4.py)
+        fields["quantization_config"] = quantization_config
     path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
@@ -309,6 +311,17 @@ def _qkv_shape(cfg: ModelConfig):
     return g, cfg.num_attention_heads // g, d
 
 
+def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+    """megatron's fused linear_qkv rows (per query group g: its q heads, k_g, v_g) -> transformers'
+    (q_proj, k_proj, v_proj) rows; any row layout (weights, packed codes, per-row scales)."""
+    g, per_group, d = _qkv_shape(cfg)
+    rows = qkv.reshape(g, per_group + 2, d, -1)
+    h = rows.shape[-1]
+    return (rows[:, :per_group].reshape(g * per_group * d, h), rows[:, per_group].reshape(g * d, h),
+            rows[:, per_group + 1].reshape(g * d, h))
+
+
 def to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> dict:
     """megatron checkpoint tensors (full, TP = PP = 1 shapes, portable names) -> the
     `NemotronHForCausalLM.state_dict()` of the same model (vocabulary padding dropped)."""
@@ -328,12 +341,10 @@ def to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -
             for name in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"):
                 out[f"{dst}mixer.{name}"] = full[m + name]
         elif kind == "attention":
-            g, per_group, d = _qkv_shape(cfg)
-            qkv = full[src + "self_attention.linear_qkv.weight"].reshape(g, per_group + 2, d, -1)
-            h = qkv.shape[-1]
-            out[dst + "mixer.q_proj.weight"] = qkv[:, :per_group].reshape(g * per_group * d, h)
-            out[dst + "mixer.k_proj.weight"] = qkv[:, per_group].reshape(g * d, h)
-            out[dst + "mixer.v_proj.weight"] = qkv[:, per_group + 1].reshape(g * d, h)
+            q, k, v = split_qkv(full[src + "self_attention.linear_qkv.weight"], cfg)
+            out[dst + "mixer.q_proj.weight"] = q
+            out[dst + "mixer.k_proj.weight"] = k
+            out[dst + "mixer.v_proj.weight"] = v
             out[dst + "mixer.o_proj.weight"] = full[src + "self_attention.linear_proj.weight"]
         else:
             out[dst + "mixer.up_proj.weight"] = full[src + "mlp.linear_fc1.weight"]
@@ -619,8 +630,13 @@ def not_replaceable(directory: Path) -> Optional[str]:
 
 
 def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], tokenizer,
-                 max_shard_size: str | int = "5GB", about: Optional[Mapping] = None) -> None:
+                 max_shard_size: str | int = "5GB", about: Optional[Mapping] = None,
+                 serving=None) -> None:
     """Write the model directory into a temporary sibling and rename it into place.
+
+    `serving` (model/hf_nvfp4.py's ServingExport): an NVFP4 export; its tensors are written in
+    place of `state_dict`'s (which still checks every name and shape against the model), with its
+    quantization_config in config.json and its extra files (hf_quant_config.json).
 
     An existing non-empty `output` is replaced only when it is a previous export
     (`not_replaceable`), checked again right before it is moved aside; `about` goes into the
@@ -638,8 +654,17 @@ def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], t
         model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
                                                    eos_token_id=config.eos_token_id,
                                                    pad_token_id=config.pad_token_id)
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        write_config(tmp, config)
+        if serving is None:
+            model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        else:
+            from .hf_nvfp4 import save_safetensors
+
+            tmp.mkdir()
+            save_safetensors(tmp, serving.tensors, max_shard_size)
+            model.generation_config.save_pretrained(tmp)
+            for name, fields in serving.extra_files.items():
+                (tmp / name).write_text(json.dumps(fields, indent=4) + "\n")
+        write_config(tmp, config, serving.quantization_config if serving is not None else None)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())

@@ -1,6 +1,7 @@
 """Export a training run to a transformers NemotronH directory (model/hf.py maps the weights).
 
     python -m training.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
+        [--weights bf16|nvfp4 [--format compressed-tensors|modelopt] [--weights-only]]
 
 Reads the run's config.yaml and its newest intact checkpoint (or --step N, verified against its
 manifest) through the checkpoint reader's allow-listed unpickler, then writes the directory
@@ -9,6 +10,14 @@ the run directory; --overwrite replaces only a previous export (its nvfp4_export
 it wrote, and nothing else may be in it). Exit codes as the trainer's: 2 a bad argument (run
 directory, step, --output, --max-shard-size), 3 the tokenizer is missing, 6 the checkpoint is
 torn, corrupt or refused, 8 --output cannot be written (read-only, no permission, disk full).
+
+--weights nvfp4 (model/hf_nvfp4.py; docs/serving.md) stores every linear the run trained in NVFP4
+as its forward pass quantized it, in compressed-tensors' nvfp4-pack-quantized format (vLLM) or
+ModelOpt's NVFP4 (TensorRT-LLM, vLLM), with the activation scales from the input amax the run
+recorded (precision.input_amax_steps); the BF16 layers of the run's precision map stay BF16.
+Refused with exit 2, before anything is written: a run that never trained a linear in NVFP4, one
+with MXFP4/FP8 linears, a weight that cannot be packed, and a checkpoint without recorded input
+amax (unless --weights-only, compressed-tensors' weight-only NVFP4A16).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from model.hf import (
     write_hf_dir,
 )
 
+log = logging.getLogger("nvfp4_pretrain")
+
 
 @dataclass
 class RunFiles:
@@ -45,6 +56,8 @@ class RunFiles:
     tokenizer: Optional[str]  # data.tokenizer: a tokenizer.json or a Hugging Face directory
     cache_dir: str
     demo: object  # data.config.DemoConfig
+    precision: object = None  # nvfp4_recipe.policy.PrecisionConfig (None: not read)
+    total_tokens: Optional[int] = None  # trainer.max_steps x global batch x sequence length
 
 
 def read_run(run_dir: Path) -> RunFiles:
@@ -53,6 +66,7 @@ def read_run(run_dir: Path) -> RunFiles:
     from omegaconf.errors import OmegaConfBaseException
 
     from data.config import DemoConfig
+    from nvfp4_recipe.policy import PrecisionConfig
 
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
@@ -65,11 +79,18 @@ def read_run(run_dir: Path) -> RunFiles:
         data = raw.get("data", {})
         demo = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemoConfig),
                                                    data.get("demo", {})))
+        precision = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig),
+                                                        raw.get("precision", {})))
+        trainer = raw.get("trainer", {})
+        total = (trainer["max_steps"] * trainer["global_batch_size"] * trainer["seq_length"]
+                 if all(k in trainer for k in ("max_steps", "global_batch_size", "seq_length"))
+                 else None)
     except (OmegaConfBaseException, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HFError(f"{path}: {first}") from None
     return RunFiles(model=model, tokenizer=data.get("tokenizer"),
-                    cache_dir=str(data.get("cache_dir", ".cache/data")), demo=demo)
+                    cache_dir=str(data.get("cache_dir", ".cache/data")), demo=demo,
+                    precision=precision, total_tokens=total)
 
 
 def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
@@ -216,14 +237,96 @@ def parse_max_shard_size(value) -> int:
     return size
 
 
+WEIGHTS = ("bf16", "nvfp4")
+
+
+def nvfp4_formats(files: RunFiles) -> dict[str, str]:
+    """{`layers.<i>.<linear>`: format} of the run's precision map, refusing (exit 2) a run that
+    never trained a linear in NVFP4 and one with MXFP4/FP8 linears (no serving format here)."""
+    from model.build import precision_policy
+
+    try:
+        formats = precision_policy(files.model, files.precision).linear_formats()
+    except ValueError as exc:
+        raise HFError(f"the run's precision config: {exc}") from None
+    other = sorted({f for f in formats.values() if f not in ("bf16", "nvfp4")})
+    if other:
+        first = next(k for k, f in formats.items() if f in other)
+        raise HFError(f"--weights nvfp4: the run trained {first} (and others) in {other[0]}; only "
+                      "NVFP4 linears export to a serving format here (docs/serving.md): use "
+                      "--weights bf16")
+    if "nvfp4" not in formats.values():
+        raise HFError(f"--weights nvfp4: the run never trained a linear in NVFP4 "
+                      f"(precision.format={files.precision.format}): use --weights bf16")
+    return formats
+
+
+def recorded_input_amax(checkpoint: Path, formats: dict[str, str], weights_only: bool):
+    """{linear: input amax} of the NVFP4 linears from the checkpoint's trainer.pt (None with
+    --weights-only), refusing (exit 2) a checkpoint where any was not recorded."""
+    from nvfp4_recipe.megatron.input_amax import running_input_amax
+
+    if weights_only:
+        return None, 0
+    try:
+        state = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError) as exc:
+        raise HFError(f"refusing {checkpoint / 'trainer.pt'}: {str(exc).splitlines()[0]}",
+                      EXIT_NO_CHECKPOINT) from None
+    amax, steps = running_input_amax(state.get("input_amax") if isinstance(state, dict) else None)
+    missing = [k for k, f in formats.items() if f == "nvfp4" and k not in amax]
+    if missing:
+        raise HFError(f"{checkpoint.name} has no recorded input amax for {missing[0]}"
+                      f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} (a "
+                      "checkpoint written before precision.input_amax_steps, with it 0, or by "
+                      "TE layers): resume the run for a step to record it, or pass "
+                      "--weights-only (weights NVFP4, activations BF16; compressed-tensors)")
+    return amax, steps
+
+
+def _switched_to_bf16(files: RunFiles, checkpoint: Path) -> Optional[float]:
+    """The share of the run's tokens after which its forward ran in BF16, if the checkpoint
+    is past it (precision.switch_to_bf16), else None."""
+    from nvfp4_recipe.megatron.controller import switch_due
+
+    switch = files.precision.switch_to_bf16
+    if switch.at_fraction is None or files.total_tokens is None:
+        return None
+    try:
+        state = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=True)
+        consumed = int(state["consumed_tokens"])
+    except Exception:  # noqa: BLE001  (informational only; the weights are read separately)
+        return None
+    return switch.at_fraction if switch_due(files.precision, consumed, files.total_tokens) else None
+
+
 def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str] = None,
-           overwrite: bool = False, max_shard_size: str = "5GB") -> Path:
-    """A run's checkpoint as a transformers NemotronH directory; every check before writing."""
+           overwrite: bool = False, max_shard_size: str = "5GB", weights: str = "bf16",
+           fmt: Optional[str] = None, weights_only: bool = False) -> Path:
+    """A run's checkpoint as a transformers NemotronH directory; every check before writing.
+
+    weights="nvfp4": its NVFP4 linears as the forward quantized them, in `fmt`
+    (model.hf_nvfp4.FORMATS; default compressed-tensors)."""
+    from model import hf_nvfp4
+
     run_dir, output = Path(run_dir).expanduser(), Path(output).expanduser()
+    if weights not in WEIGHTS:
+        raise HFError(f"--weights {weights}: choose one of {', '.join(WEIGHTS)}")
+    if weights == "bf16" and (fmt is not None or weights_only):
+        raise HFError("--format and --weights-only apply to --weights nvfp4 only")
+    fmt = fmt or hf_nvfp4.FORMATS[0]
+    if fmt not in hf_nvfp4.FORMATS:
+        raise HFError(f"--format {fmt}: choose one of {', '.join(hf_nvfp4.FORMATS)}")
+    if weights_only and fmt == "modelopt":
+        raise HFError("--weights-only: ModelOpt's NVFP4 carries input scales; use --format "
+                      "compressed-tensors (NVFP4A16) for a weight-only export")
     _check_output(output, overwrite, run_dir)  # first: nothing below may touch a run
     shard_bytes = parse_max_shard_size(max_shard_size)
     files = read_run(run_dir)
+    formats = nvfp4_formats(files) if weights == "nvfp4" else None
     checkpoint = pick_checkpoint(run_dir, step)
+    amax, amax_steps = (recorded_input_amax(checkpoint, formats, weights_only)
+                        if formats else (None, 0))
     try:
         import transformers  # noqa: F401  (only whether it imports)
     except ImportError:
@@ -241,12 +344,30 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
                        bos_token_id=hf_tokenizer.bos_token_id,
                        pad_token_id=hf_tokenizer.pad_token_id, dtype=dtype)
     about = {"run_dir": str(Path(os.path.realpath(run_dir))), "checkpoint": checkpoint.name}
+    serving = None
+    if formats is not None:
+        dense = to_hf(full, cfg, vocab)
+        packed = hf_nvfp4.packed_linears(full, cfg, formats, files.precision.weight_2d)
+        inputs = hf_nvfp4.input_scales(amax, formats) if amax is not None else None
+        serving = hf_nvfp4.serving_export(fmt, dense, packed, inputs,
+                                          hf_nvfp4.bf16_linear_names(cfg, formats))
+        about.update({"weights": "nvfp4", "format": fmt, "weight_2d": files.precision.weight_2d,
+                      "input_amax_steps": amax_steps, "activations": "bf16" if weights_only
+                      else "nvfp4"})
+        switched = _switched_to_bf16(files, checkpoint)
+        if switched is not None:
+            log.warning(f"warning: this run's forward ran in BF16 after {switched:.0%} of its "
+                        f"tokens (precision.switch_to_bf16), before {checkpoint.name}: these "
+                        "NVFP4 weights are its BF16 weights rounded to nearest, not weights "
+                        "its forward computed with")
+            about["switched_to_bf16_at"] = switched
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # stderr stays for the one error line (a few seconds at 12B)
     try:
-        write_hf_dir(output, config, to_hf(full, cfg, vocab), hf_tokenizer, shard_bytes, about)
+        write_hf_dir(output, config, to_hf(full, cfg, vocab) if formats is None else dense, hf_tokenizer,
+                     shard_bytes, about, serving)
     except OSError as exc:  # read-only, no permission, disk full: the temporary is gone
         raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}; nothing was "
                       "replaced", EXIT_UNWRITABLE) from None
@@ -266,11 +387,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     ex.add_argument("--max-shard-size", default="5GB",
                     help="split model.safetensors above this size, with an index (default 5GB)")
+    ex.add_argument("--weights", default="bf16",
+                    help="bf16 (default) or nvfp4: the NVFP4 linears as the forward quantized "
+                         "them, for vLLM / TensorRT-LLM (docs/serving.md)")
+    ex.add_argument("--format", dest="fmt", default=None,
+                    help="with --weights nvfp4: compressed-tensors (default; vLLM) or modelopt "
+                         "(TensorRT-LLM, vLLM)")
+    ex.add_argument("--weights-only", action="store_true",
+                    help="with --weights nvfp4 --format compressed-tensors: no activation scales "
+                         "(NVFP4A16), for a run without recorded input amax")
     args = ex.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         checkpoint = export(args.run_dir, args.output, args.step, args.tokenizer, args.overwrite,
-                            args.max_shard_size)
+                            args.max_shard_size, args.weights, args.fmt, args.weights_only)
     except HFError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code

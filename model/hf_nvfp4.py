@@ -1,0 +1,276 @@
+"""NVFP4 serving exports: the weights an NVFP4 run's forward pass computed with, in the two
+checkpoint formats vLLM and TensorRT-LLM load (issue 27; `python -m training.hf_export RUN_DIR
+--weights nvfp4 --format compressed-tensors|modelopt`).
+
+Every linear the run trained in NVFP4 (the run's precision policy: BF16 first/last layers and
+`precision.overrides` stay BF16) is quantized from the checkpoint's BF16 weight by this project's
+own quantizer (nvfp4_recipe.nvfp4.quantize_nvfp4: round to nearest, the run's 1x16 or 16x16
+weight scaling, TE's arithmetic), i.e. exactly as the emulated Fprop quantizes it at tensor
+parallel 1, before it is split into transformers' modules (linear_qkv -> q/k/v_proj share one
+tensor scale, as vLLM's fused qkv_proj needs). A 16x16 tile's scale is stored repeated over its
+16 rows, so both formats, which take one E4M3 scale per 1x16 block of a row, hold it exactly.
+
+The formats, as their libraries define them (cited from the installed sources):
+
+compressed-tensors 0.20.1, format "nvfp4-pack-quantized", vLLM's W4A4 / W4A16 NVFP4 schemes:
+- tensors `weight_packed` uint8 (N, K/2), `weight_scale` float8_e4m3fn (N, K/16),
+  `weight_global_scale` float32 [1], and for W4A4 `input_global_scale` float32 [1]
+  (compressors/nvfp4/base.py:37-47);
+- the global scales are ENCODE scales: dequantization divides by them,
+  `scale = scale / global_scale` then `x_q * scale` (quantization/lifecycle/forward_helpers.py:
+  557-563), and the library computes them as 448 * 6 / amax (quantization/utils/helpers.py:344):
+  this project's S_enc;
+- nibbles: the even column (the first of a pair) in the low nibble,
+  `packed = indices[:, 0] | (indices[:, 1] << 4)` (compressors/nvfp4/helpers.py:412; unpacked
+  low-then-high at :436-440); code bit 3 is the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6};
+- config.json `quantization_config`: what `ModelCompressor.update_config` writes
+  (compressors/model_compressors/model_compressor.py:219-253) for the preset schemes NVFP4 /
+  NVFP4A16 (quantization/quant_scheme.py:170-206), targets ["Linear"], the BF16 linears in
+  `ignore`.
+
+nvidia-modelopt 0.47.0, quant_algo "NVFP4" (TensorRT-LLM; vLLM's ModelOpt loader):
+- tensors `weight` uint8 (N, K/2), `weight_scale` float8_e4m3fn (N, K/16), `weight_scale_2`
+  float32 0-d, `input_scale` float32 0-d;
+- the second-level scales are DECODE scales: `weight_scale_2 = amax / (6 * 448)`
+  (torch/quantization/qtensor/nvfp4_tensor.py:208), `input_scale = amax / (6 * 448)` (:222), and
+  dequantization multiplies, `per_block_scale = weight_scale * weight_scale_2` then
+  `e2m1 * per_block_scale` (:400, :407): this project's S_dec;
+- nibbles: `packed = (q[..., 1::2] << 4) | q[..., 0::2]` (:338; unpacked at :356-357): the even
+  column in the low nibble, as compressed-tensors and TE;
+- hf_quant_config.json `{"producer", "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+  "kv_cache_quant_algo": null, "exclude_modules": [...]}}` (torch/export/quant_utils.py:1620-1630,
+  :729-733, :778-788; written at torch/export/unified_export_hf.py:1477-1478) and config.json's
+  `quantization_config` converted from it (torch/export/convert_hf_config.py:191-203, :261-281).
+compressed-tensors' own ModelOpt converter states the same relation: CT global scale = 1 / ModelOpt
+scale for weights and inputs (entrypoints/convert/converters/modelopt_nvfp4.py:97-122).
+
+The scales stored are the values the forward used: S_enc = min(448 * 6 / amax, FLT_MAX) and
+S_dec = 1 / S_enc (nvfp4.tensor_scales), not recomputed as amax / 2688 (which can differ by an
+ulp). The activation scales come from the run's recorded input amax
+(nvfp4_recipe/megatron/input_amax.py), through the same tensor_scales.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from nvfp4_recipe.nvfp4 import BLOCK, quantize_nvfp4, tensor_scales
+
+from .config import ModelConfig
+from .hf import HFError, _in_proj_parts, split_qkv
+
+FORMATS = ("compressed-tensors", "modelopt")
+# The format versions whose definitions this module follows (see the docstring).
+COMPRESSED_TENSORS_VERSION = "0.20.1"
+MODELOPT_VERSION = "0.47.0"
+PRODUCER = {"name": "nvfp4-pretrain", "version": "0.1.0"}
+
+# Each megatron linear -> the transformers NemotronH modules it becomes (rows in this order).
+HF_MODULES = {
+    "mixer.in_proj": ("mixer.in_proj",),
+    "mixer.out_proj": ("mixer.out_proj",),
+    "self_attention.linear_qkv": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
+    "self_attention.linear_proj": ("mixer.o_proj",),
+    "mlp.linear_fc1": ("mixer.up_proj",),
+    "mlp.linear_fc2": ("mixer.down_proj",),
+}
+
+
+@dataclass
+class PackedLinear:
+    """One transformers linear's NVFP4 weight: codes, per-16 scales, the FP32 tensor scales."""
+
+    packed: torch.Tensor  # uint8 (N, K/2), even column in the low nibble
+    scales: torch.Tensor  # float8_e4m3fn (N, K/16)
+    s_enc: torch.Tensor  # float32 0-d, 448 * 6 / amax of the whole megatron weight
+    s_dec: torch.Tensor  # float32 0-d, 1 / s_enc
+
+
+@dataclass
+class ServingExport:
+    """What write_hf_dir writes for a quantized export (names as NemotronHForCausalLM's)."""
+
+    tensors: dict[str, torch.Tensor]
+    quantization_config: dict
+    extra_files: dict[str, dict] = field(default_factory=dict)
+    bf16_linears: list[str] = field(default_factory=list)  # transformers module names
+
+
+def megatron_weight(full: Mapping[str, torch.Tensor], cfg: ModelConfig, index: int,
+                    name: str) -> torch.Tensor:
+    """The weight of linear `name` of pattern layer `index` as the model holds it (the
+    checkpoint stores Mamba's in_proj in its [z, x, B, C, dt] parts)."""
+    prefix = f"decoder.layers.{index}.{name}.weight"
+    if name == "mixer.in_proj":
+        return torch.cat([full[f"{prefix}.{p}"] for p, _ in _in_proj_parts(cfg)])
+    return full[prefix]
+
+
+def check_packable(name: str, weight: torch.Tensor, tile_rows: int) -> None:
+    """HFError (exit 2) when the weight cannot be stored as NVFP4."""
+    n, k = weight.shape
+    if k % BLOCK or n % tile_rows:
+        need = f"K a multiple of {BLOCK}" + (f" and N a multiple of {tile_rows} (16x16 tiles)"
+                                             if tile_rows > 1 else "")
+        raise HFError(f"{name}: weight {n}x{k} cannot be packed as NVFP4 ({need}); export it "
+                      "with --weights bf16")
+
+
+def quantize_linear(weight: torch.Tensor, tile_rows: int):
+    """The NVFP4 weight operand of the emulated Fprop (linear.py: weight.to(bf16), round to
+    nearest, 16x16 tiles when precision.weight_2d) as codes and scales."""
+    return quantize_nvfp4(weight.to(torch.bfloat16), (tile_rows, BLOCK), "nearest",
+                          kernels="eager")
+
+
+def packed_linears(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                   formats: Mapping[str, str], weight_2d: bool) -> dict[str, PackedLinear]:
+    """{transformers module name (model.layers.i.mixer.x): PackedLinear} of every NVFP4 linear.
+
+    `formats`: the precision policy's {`layers.<i>.<megatron name>`: format}."""
+    tile_rows = BLOCK if weight_2d else 1
+    out = {}
+    for key, fmt in formats.items():
+        if fmt != "nvfp4":
+            continue
+        _, index, name = key.split(".", 2)
+        weight = megatron_weight(full, cfg, int(index), name)
+        check_packable(key, weight, tile_rows)
+        q = quantize_linear(weight, tile_rows)
+        s_enc, s_dec = tensor_scales(q.amax)
+        packed, scales = q.data, q.scales.view(torch.uint8)  # row splits on bytes
+        dst = f"model.layers.{index}."
+        parts = HF_MODULES[name]
+        if name == "self_attention.linear_qkv":
+            split = zip(split_qkv(packed, cfg), split_qkv(scales, cfg))
+        else:
+            split = [(packed, scales)]
+        for hf_name, (p, s) in zip(parts, split):
+            out[dst + hf_name] = PackedLinear(p.contiguous(),
+                                              s.contiguous().view(torch.float8_e4m3fn),
+                                              s_enc.float(), s_dec.float())
+    return out
+
+
+def input_scales(amax: Mapping[str, float], formats: Mapping[str, str]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{transformers module name: (S_enc, S_dec) of its input} from the recorded input amax
+    ({`layers.<i>.<megatron name>`: amax}), by the quantizer's own tensor_scales."""
+    out = {}
+    for key, fmt in formats.items():
+        if fmt != "nvfp4":
+            continue
+        _, index, name = key.split(".", 2)
+        s_enc, s_dec = tensor_scales(torch.tensor(amax[key], dtype=torch.float32))
+        for hf_name in HF_MODULES[name]:
+            out[f"model.layers.{index}.{hf_name}"] = (s_enc, s_dec)
+    return out
+
+
+def bf16_linear_names(cfg: ModelConfig, formats: Mapping[str, str]) -> list[str]:
+    """The transformers linears that stay BF16: lm_head and every linear not trained in NVFP4."""
+    names = ["lm_head"]
+    for key, fmt in formats.items():
+        if fmt != "nvfp4":
+            _, index, name = key.split(".", 2)
+            names += [f"model.layers.{index}.{m}" for m in HF_MODULES[name]]
+    return names
+
+
+def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedLinear],
+                   inputs: Optional[Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
+                   bf16_linears: list[str]) -> ServingExport:
+    """The tensors and configs of one format. `dense`: the BF16 export's state dict (to_hf);
+    `inputs`: None for a weight-only (W4A16) export."""
+    tensors = {k: v for k, v in dense.items()
+               if not (k.endswith(".weight") and k[: -len(".weight")] in packed)}
+    for module, p in packed.items():  # (q/k/v_proj share their scales: one tensor each)
+        if fmt == "compressed-tensors":
+            tensors[f"{module}.weight_packed"] = p.packed
+            tensors[f"{module}.weight_scale"] = p.scales
+            tensors[f"{module}.weight_global_scale"] = p.s_enc.reshape(1).clone()
+            if inputs is not None:
+                tensors[f"{module}.input_global_scale"] = inputs[module][0].reshape(1).clone()
+        else:
+            tensors[f"{module}.weight"] = p.packed
+            tensors[f"{module}.weight_scale"] = p.scales
+            tensors[f"{module}.weight_scale_2"] = p.s_dec.reshape(()).clone()
+            tensors[f"{module}.input_scale"] = inputs[module][1].reshape(()).clone()
+    if fmt == "compressed-tensors":
+        return ServingExport(tensors, compressed_tensors_config(bf16_linears, inputs is not None),
+                             bf16_linears=bf16_linears)
+    quant = modelopt_quant_config(bf16_linears)
+    return ServingExport(tensors, modelopt_config_json(quant), {"hf_quant_config.json": quant},
+                         bf16_linears=bf16_linears)
+
+
+def compressed_tensors_config(ignore: list[str], activations: bool) -> dict:
+    """config.json's quantization_config, as compressed-tensors 0.20.1 writes the NVFP4 (W4A4)
+    or NVFP4A16 (weight-only) preset."""
+    def args(**extra):
+        return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK,
+                "strategy": "tensor_group", "scale_dtype": "torch.float8_e4m3fn", **extra}
+
+    group = {"targets": ["Linear"], "weights": args(dynamic=False),
+             "input_activations": (args(dynamic="local", observer="static_minmax")
+                                   if activations else None),
+             "output_activations": None, "format": "nvfp4-pack-quantized"}
+    return {"version": COMPRESSED_TENSORS_VERSION, "quant_method": "compressed-tensors",
+            "sparsity_config": {}, "transform_config": {},
+            "config_groups": {"group_0": group}, "kv_cache_scheme": None,
+            "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "global_compression_ratio": None, "ignore": sorted(ignore),
+            "moe_sparsity_config": None}
+
+
+def modelopt_quant_config(exclude: list[str]) -> dict:
+    """hf_quant_config.json, as ModelOpt 0.47.0's get_quant_config writes NVFP4 (exact module
+    names in exclude_modules, where ModelOpt may shorten runs to wildcards)."""
+    return {"producer": dict(PRODUCER),
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                             "group_size": BLOCK, "exclude_modules": sorted(exclude)}}
+
+
+def modelopt_config_json(quant: dict) -> dict:
+    """config.json's quantization_config: convert_hf_quant_config_format of hf_quant_config."""
+    q = quant["quantization"]
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": q["group_size"]}
+    return {"config_groups": {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4),
+                                          "targets": ["Linear"]}},
+            "ignore": list(q["exclude_modules"]), "quant_algo": "NVFP4",
+            "producer": dict(quant["producer"]), "quant_method": "modelopt"}
+
+
+def save_safetensors(directory: Path, tensors: Mapping[str, torch.Tensor],
+                     max_shard_size: int | str) -> None:
+    """model.safetensors (or shards with model.safetensors.index.json), tensor names as
+    transformers 5 saves NemotronH (`model.` as `backbone.`, NVIDIA's published names)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    named = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
+             for k, v in tensors.items()}
+    split = split_torch_state_dict_into_shards(named, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: named[n] for n in names}, str(Path(directory) / filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in named.values())},
+                 "weight_map": split.tensor_to_filename}
+        (Path(directory) / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def bits_per_weight(tensors: Mapping[str, torch.Tensor], module: str, fmt: str) -> float:
+    """Stored bits per weight of one packed linear: codes + block scales + tensor scales."""
+    names = ([f"{module}.weight_packed", f"{module}.weight_scale", f"{module}.weight_global_scale"]
+             if fmt == "compressed-tensors" else
+             [f"{module}.weight", f"{module}.weight_scale", f"{module}.weight_scale_2"])
+    weights = tensors[names[0]].numel() * 2
+    return 8 * sum(tensors[n].numel() * tensors[n].element_size() for n in names) / weights
