@@ -136,11 +136,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                              "machine); the report says LOADED")
     parser.add_argument("--gemm-compute", choices=GEMM_COMPUTE, default="auto",
                         help="what BF16 GEMMs compute in (default: this CPU's policy)")
+    parser.add_argument("--linear-sizes", default=None, metavar="N,N",
+                        help="the linear fwd+bwd sizes only (e.g. 2048), skipping the quantize rows")
     args = parser.parse_args(argv)
     if args.background_load < 0:
         parser.error(f"--background-load must be >= 0, got {args.background_load}")
     quant_sizes = [1024] if args.quick else [2048, 4096]
     linear_sizes = [512, 1024] if args.quick else [1024, 2048, 4096]
+    if args.linear_sizes:
+        try:
+            linear_sizes = [int(n) for n in args.linear_sizes.split(",")]
+        except ValueError:
+            parser.error(f"--linear-sizes={args.linear_sizes!r}: comma-separated integers")
+        quant_sizes = []
     repeats = 3
     info = hardware_info()
     gemm = probe_hardware("cpu").gemm_compute(args.gemm_compute)
@@ -148,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("hardware:", ", ".join(f"{k}={v}" for k, v in info.items()))
     with background_load(args.background_load), MachineLoad() as load:
         quant_rows = [row for size in quant_sizes for row in bench_quantize(size, repeats)]
-        print(format_table(quant_rows, ["quantize (bf16)", "ms", "Melem/s", "speedup vs torchao", "speedup vs plain"]))
+        if quant_rows:
+            print(format_table(quant_rows, ["quantize (bf16)", "ms", "Melem/s", "speedup vs torchao",
+                                            "speedup vs plain"]))
         linear_rows = [bench_linear(size, 2 * repeats + 1, gemm) for size in linear_sizes]
         print(format_table(linear_rows, list(linear_rows[0])))
     print(f"machine: {load.report.line()}")

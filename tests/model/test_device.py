@@ -84,15 +84,18 @@ def test_no_module_outside_the_device_decision_asks_whether_a_gpu_is_present():
 
 @pytest.mark.slow
 def test_a_gloo_run_on_a_host_that_has_a_gpu_trains_and_checkpoints_on_the_cpu(tmp_path, data_cache):
-    """Issue 25: `parallel.backend=gloo` beside a GPU. The host is stated as a value: torch says a
-    GPU is present (and any CUDA call would fail, as there is none), so every choice that asked
-    "is some GPU present" instead of the run's device (RNG seeding, megatron's CPU patches, the
-    Mamba kernels, the checkpoint's RNG state) would crash this run."""
+    """Issue 25: `parallel.backend=gloo` beside a GPU. The host is stated as a value: the device
+    decision's "is a GPU present" says yes (and any CUDA call would fail, as there is none), so
+    every choice that asked it instead of reading the run's device (RNG seeding, megatron's CPU
+    patches, the backend, the Mamba kernels, the checkpoint's RNG state, the GEMM policy) would
+    take its CUDA branch and crash this run. (The AST test above keeps torch.cuda.is_available()
+    itself out of the project.)"""
     wrapper = tmp_path / "train_beside_a_gpu.py"
     wrapper.write_text(textwrap.dedent(f"""
         import runpy, sys
-        import torch
-        torch.cuda.is_available = lambda: True  # the host has a GPU; this run does not use it
+        sys.path.insert(0, {str(REPO)!r})
+        import model.device
+        model.device.cuda_present = lambda: True  # the host has a GPU; this run does not use it
         sys.argv[0] = {str(REPO / "train.py")!r}
         runpy.run_path(sys.argv[0], run_name="__main__")
     """))
