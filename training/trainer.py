@@ -554,6 +554,7 @@ def run(cfg) -> int:
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
         validate(cfg, ctx.world_size)  # every group, data files included: before anything is written
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
+        ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU (exit 2)
         if backend == "te":
             switch = cfg.precision.switch_to_bf16
             check_te_switch(switch.passes, switch.at_fraction)
