@@ -29,6 +29,7 @@ BAD = [
     ("model.vocab_size", 0), ("model.vocab_multiple", 0), ("model.max_sequence_length", 0),
     ("model.init_method_std", 0.0), ("model.layernorm_epsilon", -1e-5),
     ("model.bf16_first_layers", -1), ("precision.diagnostics_every", -1),
+    ("precision.input_amax_steps", -1),
     ("plan.gpus", 0), ("plan.mfu", 0.0), ("plan.peak_tflops", -1.0), ("plan.total_tokens", 0),
 ]
 
