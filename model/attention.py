@@ -2,7 +2,15 @@
 
 megatron-core's local `DotProductAttention` allocates its score buffer on
 `torch.cuda.current_device()` (0.16.1, `utils.py:631`), so on CPU we own this component.
-Softmax and both batched GEMMs run in FP32 (the recipe keeps attention internals high precision).
+
+q, k and v go to SDPA in their own dtype (BF16 in training), with grouped heads left to SDPA
+(`enable_gqa=True`, torch >= 2.5) instead of copied per query head: on a GPU SDPA can then take
+its flash or cuDNN kernels, which compute the softmax in FP32 and accumulate both GEMMs in FP32,
+as TE's BF16 attention on the TE spec does (an FP32 upcast turned them off, and a
+repeat_interleave wrote heads/groups copies of K and V). On a CPU, SDPA with `enable_gqa` runs
+`_scaled_dot_product_flash_attention_for_cpu` (FP32 softmax and accumulation; checked in
+tests/model/test_attention.py), which the GEMM compute policy computes in FP32 where the CPU
+has no BF16 instructions (nvfp4_recipe/compute.py).
 Under selective recompute (megatron's `recompute_modules=["core_attn"]`) it recomputes itself,
 with the checkpoint of the device (model/recompute.py); `PortableSelfAttention` keeps megatron's
 Attention from checkpointing it a second time with its CUDA-only checkpoint.
@@ -66,16 +74,14 @@ class SDPACoreAttention(MegatronModule):
     def _attention(self, query, key, value):
         seq, batch, heads, head_dim = query.shape
         groups = key.shape[2]
-        # [s, b, n, d] -> [b, n, s, d]; repeat KV heads for GQA.
-        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
-        if groups != heads:
-            k = k.repeat_interleave(heads // groups, dim=1)
-            v = v.repeat_interleave(heads // groups, dim=1)
+        # [s, b, n, d] -> [b, n, s, d]; query head h attends with KV group h // (heads / groups),
+        # the grouping repeat_interleave gave and megatron's attention uses.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=groups != heads,
         )
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim).to(query.dtype)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
 
 
 class PortableSelfAttention(SelfAttention):
