@@ -45,12 +45,33 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    (fully_parallel.py:272,281 / :287,296). For a CPU run, and only for the duration of a load,
    `cpu_fully_parallel_load` gives fully_parallel.py a CPU twin of the broadcast exchange (the
    same loop on CPU tensors over gloo) and a no-op synchronize.
-Items 1-4 select or replace; they never edit a library's globals.
+8. `mamba_ssm_triton_kernels`: mamba_ssm's Triton SSD scan and gated RMSNorm without the
+   package's `__init__` when that fails. mamba_ssm's `__init__` imports its compiled selective-scan
+   extension (mamba v2.3.2.post1 mamba_ssm/__init__.py:3 -> ops/selective_scan_interface.py:20
+   `import selective_scan_cuda`), which a wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE lacks; the
+   Triton modules need only torch, triton, einops, packaging and mamba_ssm.utils
+   (ops/triton/ssd_combined.py:6-50, causal_conv1d guarded at :21-28, the `selective_scan`
+   imports at :530 and :737 inside reference functions never called; layernorm_gated.py:7-15).
+   They are imported under an unexecuted stand-in for the top-level package, and `sys.modules` is
+   put back as it was, so nobody else sees the stand-in (megatron's own mixer, which imports
+   mamba_ssm normally, still cannot: the TE spec needs the whole package).
+9. `te_fuse_wgrad_accumulation`: turns on Transformer Engine's `fuse_wgrad_accumulation` in the
+   TE linears of a built model whose config keeps megatron's `gradient_accumulation_fusion` off
+   (model/build.py: the output layer would refuse it without apex). TE stores the flag at
+   construction and reads it at every forward (TE v2.8 module/linear.py:1121, 1458,
+   layernorm_linear.py:1185, 1570; v2.18 linear.py:1313, 1745, layernorm_linear.py:1520, 1979);
+   megatron's wrappers pass the config's value there and nothing else reads it (mc 0.16.1
+   extensions/transformer_engine.py:626, 828; the fused-MLP ops read the module's attribute,
+   :1982, 2016). An attribute of the built modules, no library global.
+Items 1-4, 8 and 9 select, replace or load; they never edit a library's globals.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -214,3 +235,67 @@ def cpu_fully_parallel_load(cuda: bool):
         yield
     finally:
         fully_parallel.exchange_by_distribution, torch.cuda.synchronize = saved
+
+
+# The kernels the portable Mamba mixer and launch/ssd_check.py take from mamba_ssm: name -> module.
+MAMBA_TRITON_KERNELS = {
+    "mamba_chunk_scan_combined": "mamba_ssm.ops.triton.ssd_combined",
+    "rmsnorm_fn": "mamba_ssm.ops.triton.layernorm_gated",
+}
+
+
+def _mamba_modules() -> dict:
+    return {k: v for k, v in sys.modules.items() if k == "mamba_ssm" or k.startswith("mamba_ssm.")}
+
+
+def _import_kernels() -> dict:
+    return {name: getattr(importlib.import_module(module), name)
+            for name, module in MAMBA_TRITON_KERNELS.items()}
+
+
+def _import_kernels_without_package_init() -> dict:
+    spec = importlib.util.find_spec("mamba_ssm")  # locates the package, runs nothing
+    saved = _mamba_modules()  # incl. submodules a failed `import mamba_ssm` left behind
+    for name in saved:
+        del sys.modules[name]
+    sys.modules["mamba_ssm"] = importlib.util.module_from_spec(spec)  # __path__ set, not executed
+    try:
+        return _import_kernels()
+    finally:  # leave sys.modules as it was: other code must not see the stand-in
+        for name in _mamba_modules():
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def mamba_ssm_triton_kernels() -> tuple[dict, bool, str]:
+    """(kernels {name: callable} of MAMBA_TRITON_KERNELS, whether the mamba_ssm package itself
+    imports, how they were loaded or why not); ({}, False, why) when they cannot be loaded. See
+    item 8. Never raises; loads afresh at every call (callers keep the result)."""
+    try:
+        installed = importlib.util.find_spec("mamba_ssm") is not None
+    except ValueError:  # in sys.modules without a spec (put there by hand): try the import
+        installed = True
+    if not installed:
+        return {}, False, "mamba_ssm is not installed"
+    try:
+        return _import_kernels(), True, "mamba_ssm imported"
+    except Exception as exc:  # ImportError of the CUDA extension, or a broken build
+        first = f"{type(exc).__name__}: {exc}"
+    try:
+        kernels = _import_kernels_without_package_init()
+    except Exception as exc:
+        return {}, False, (f"mamba_ssm does not import ({first}), nor its Triton kernels without "
+                           f"the package __init__ ({type(exc).__name__}: {exc})")
+    return kernels, False, f"Triton kernels loaded without mamba_ssm/__init__.py, whose import fails ({first})"
+
+
+def te_fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
+    """Set `fuse_wgrad_accumulation` on every Transformer Engine module of `model` that has it
+    (item 9); returns how many. Its weights need a `main_grad` (megatron's DDP gives them one)."""
+    count = 0
+    for module in model.modules():
+        if type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")) \
+                and isinstance(getattr(module, "fuse_wgrad_accumulation", None), bool):
+            module.fuse_wgrad_accumulation = True
+            count += 1
+    return count

@@ -17,18 +17,11 @@ chunk states and the decayed C.B scores to the input dtype before their dots
 (ssd_chunk_scan.py:117, :148; 2^-9 = 2e-3 each), and y and the gradients are BF16. A wrong
 decay, state hand-over or padding gives errors of order 1 (tests/launch/test_gpu_check.py).
 
-Loading without the CUDA extension. mamba_ssm's package ``__init__`` imports its compiled
-selective-scan extension (mamba 2.3.2.post1 mamba_ssm/__init__.py:3 ->
-ops/selective_scan_interface.py:20 ``import selective_scan_cuda``), which a wheel built with
-MAMBA_SKIP_CUDA_BUILD=TRUE (`make gpu-wheels`) lacks, so ``import mamba_ssm.ops.triton...``
-fails. The Triton SSD modules import only torch, triton, einops, packaging and mamba_ssm.utils
-(ssd_combined.py:6-50, causal_conv1d guarded at :21-28; the ``selective_scan`` imports at :530
-and :737 sit inside reference functions we do not call; ssd_bmm.py, ssd_chunk_state.py,
-ssd_state_passing.py, ssd_chunk_scan.py, layernorm_gated.py, k_activations.py, softplus.py,
-utils/torch.py, utils/determinism.py import nothing else). So when the normal import fails,
-we load ``mamba_ssm.ops.triton.ssd_combined`` under an unexecuted stand-in for the top-level
-package and then restore ``sys.modules``. The trainer's mixer imports normally, so on such a
-machine it trains with the PyTorch scan; the report says which way the kernel was loaded.
+Loading without the CUDA extension: as the trainer's mixer does (model/mamba_mixer.py), through
+``compat.mamba_ssm_triton_kernels``: a normal import, else the Triton modules loaded without
+mamba_ssm's package ``__init__``, whose import fails in a wheel built with
+MAMBA_SKIP_CUDA_BUILD=TRUE (`make gpu-wheels`: no ``selective_scan_cuda``; compat.py item 8). The
+report says which way the kernel was loaded.
 
 Compile time: each SSD kernel is autotuned over up to ~10 configs, forward and backward, per
 dtype (minutes of Triton JIT on a cold machine). Unless ``--autotune``, the kernels are loaded
@@ -42,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import importlib.util
 import json
 import math
@@ -56,6 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+import compat
 from model.device import cuda_present
 
 SKIP_EXIT = 77  # launch/gpu_check.sh reports this exit status as "skipped" with the printed reason
@@ -99,25 +92,6 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def _mamba_modules() -> dict:
-    return {k: v for k, v in sys.modules.items() if k == "mamba_ssm" or k.startswith("mamba_ssm.")}
-
-
-def _load_without_package_init() -> Callable:
-    """Import mamba_ssm.ops.triton.ssd_combined with mamba_ssm/__init__.py left unexecuted."""
-    spec = importlib.util.find_spec("mamba_ssm")  # locates the package, runs nothing
-    saved = _mamba_modules()  # incl. submodules a failed `import mamba_ssm` left behind
-    for name in saved:
-        del sys.modules[name]
-    sys.modules["mamba_ssm"] = importlib.util.module_from_spec(spec)  # __path__ set, not executed
-    try:
-        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
-    finally:  # leave sys.modules as it was: other code must not see the stand-in
-        for name in _mamba_modules():
-            del sys.modules[name]
-        sys.modules.update(saved)
-
-
 _LOADED: dict = {}
 
 
@@ -136,20 +110,9 @@ def load_triton_ssd(autotune: bool = False) -> tuple[Optional[Callable], str]:
         env = {} if autotune else {"MAMBA_DETERMINISTIC": "1"}
         how = "autotuned" if autotune else "cheapest config per kernel"
         with _env(**env):
-            try:
-                from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-                result = mamba_chunk_scan_combined, f"imported normally; {how}"
-            except Exception as exc:
-                first = f"{type(exc).__name__}: {exc}"
-                try:
-                    result = (_load_without_package_init(),
-                              f"loaded without mamba_ssm/__init__.py, whose import fails ({first}); "
-                              f"the trainer's mixer imports normally, so it uses the PyTorch scan "
-                              f"here; {how}")
-                except Exception as exc2:
-                    result = None, (f"mamba_ssm does not import ({first}), nor its Triton SSD module "
-                                    f"without the package __init__ ({type(exc2).__name__}: {exc2})")
+            kernels, _, loaded = compat.mamba_ssm_triton_kernels()
+        fn = kernels.get("mamba_chunk_scan_combined")
+        result = (fn, f"{loaded}; the trainer's mixer loads it the same way; {how}") if fn else (None, loaded)
     _LOADED[autotune] = result
     return result
 

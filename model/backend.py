@@ -1,12 +1,13 @@
 """Which layer spec and GEMM backend a run uses, and why: one pure decision over a probed machine.
 
 - TE spec + TE GEMMs: Transformer Engine runs the precision's recipe on this GPU (TE's own
-  check), and mamba_ssm imports (megatron's MambaMixer, which the TE spec uses, raises
-  ImportError without it, mc 0.16.1 ssm/mamba_mixer.py:173-176). causal_conv1d is used when it
-  imports: with `use_mamba_mem_eff_path=False` (model/build.py) megatron's mixer falls back to
-  PyTorch's conv1d without it (ssm/mamba_mixer.py:801-802 in 0.16.1, :913 in 0.19.0).
+  check), and the mamba_ssm package imports (megatron's MambaMixer, which the TE spec uses,
+  raises ImportError without it, mc 0.16.1 ssm/mamba_mixer.py:173-176). With causal_conv1d the
+  mixer takes megatron's memory-efficient fused path (`mamba_mem_eff_path`); without it the
+  non-fused one, with PyTorch's conv1d (ssm/mamba_mixer.py:801-802 in 0.16.1, :913 in 0.19.0).
 - Otherwise the portable spec, GEMMs emulated by nvfp4_recipe; on CUDA its Mamba mixer still uses
-  each mamba_ssm / causal_conv1d kernel that imports (model/mamba_mixer.py).
+  each mamba_ssm / causal_conv1d kernel that loads (model/mamba_mixer.py), mamba_ssm's Triton
+  kernels even where the package itself does not import (compat.mamba_ssm_triton_kernels).
 
 `model.spec` and `precision.backend` may force either side; forcing TE where it cannot run is a
 ValueError that names the key and the reason, and `auto` never raises.
@@ -31,8 +32,15 @@ class Machine:
 
     capability: Optional[tuple[int, int]]  # None: a CPU run (Hardware.cuda_capability)
     te_recipe: tuple[bool, str]  # transformer_engine imports and runs the recipe here, or why not
-    mamba_ssm: bool  # imports (Triton SSD scan, gated RMSNorm)
+    mamba_ssm: bool  # the package imports (megatron's mixer, the TE spec, needs it)
     causal_conv1d: bool  # imports
+    # mamba_ssm's Triton SSD scan and gated RMSNorm load (with or without the package's
+    # __init__, compat item 8); None: as mamba_ssm
+    mamba_triton: Optional[bool] = None
+
+    @property
+    def mamba_kernels(self) -> bool:
+        return self.mamba_ssm if self.mamba_triton is None else self.mamba_triton
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,9 @@ def _te_spec_problem(machine: Machine) -> str:
     if not te_ok:
         return te_why
     if not machine.mamba_ssm:
-        return "mamba_ssm not importable (the TE spec's Mamba mixer needs it)"
+        return ("mamba_ssm not importable (the TE spec's Mamba mixer needs it"
+                + ("; its Triton kernels load without it, for the portable mixer)"
+                   if machine.mamba_kernels else ")"))
     return ""
 
 
@@ -58,7 +68,7 @@ def _portable_mixer_kernels(machine: Machine) -> str:
     """What the portable Mamba mixer runs on this machine, for the start-up line."""
     if machine.capability is None:
         return ""
-    scan = "mamba_ssm SSD scan and gated norm" if machine.mamba_ssm else "PyTorch SSD scan and norm"
+    scan = "mamba_ssm SSD scan and gated norm" if machine.mamba_kernels else "PyTorch SSD scan and norm"
     conv = "causal_conv1d" if machine.causal_conv1d else "PyTorch conv1d"
     return f"; Mamba mixer: {scan}, {conv}"
 
@@ -87,9 +97,28 @@ def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine
         return BackendChoice("portable", "emulated", f"portable spec: {problem}{kernels}")
     major, minor = machine.capability
     why = asked_te[0] if asked_te else f"compute capability {major}.{minor}"
-    conv = "causal_conv1d" if machine.causal_conv1d else "PyTorch conv1d (no causal_conv1d)"
+    if mamba_mem_eff_path("te", machine.causal_conv1d):
+        mixer = "megatron's fused conv1d + SSD scan (use_mamba_mem_eff_path, causal_conv1d)"
+    else:
+        mixer = ("megatron's non-fused path: mamba_ssm SSD scan, PyTorch conv1d (no causal_conv1d, "
+                 "so no use_mamba_mem_eff_path)")
     return BackendChoice("te", "te", f"TE spec: {why}; transformer_engine and mamba_ssm usable, "
-                                     f"Mamba convolution: {conv}")
+                                     f"Mamba mixer: {mixer}")
+
+
+def mamba_mem_eff_path(spec: str, causal_conv1d: bool) -> bool:
+    """megatron's `use_mamba_mem_eff_path` for a model of `spec` ("te" | "portable").
+
+    On: the TE spec with causal_conv1d. Its mixer then trains with `mamba_split_conv1d_scan_combined`
+    (mc core_v0.19.0 ssm/mamba_mixer.py:502-511, 733-769; 0.16.1 :436, :630-690): conv1d, scan and
+    gate fused, fewer activations kept for the backward; the path megatron trains and tests, while
+    it logs the other as "not currently using or functionally testing ... for training"
+    (core_v0.19.0 :307-315, 0.16.1 :282-290). The fused kernel calls causal_conv1d's compiled
+    functions (mamba v2.3.2.post1 ops/triton/ssd_combined.py:840, 914, 963; imported guarded at
+    :21-28), so without causal_conv1d it would fail at the first forward: off, the non-fused path.
+    Off on the portable spec: its own mixer (model/mamba_mixer.py) has no such path.
+    """
+    return spec == "te" and causal_conv1d
 
 
 def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
@@ -97,12 +126,14 @@ def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
     run; never raises)."""
     from nvfp4_recipe.megatron.te_mapping import probe_te_support
 
-    from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels
+    from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels, mamba_ssm_package_imports
 
     capability = hardware.cuda_capability
     packages = {KERNEL_PACKAGES[name] for name in mamba_kernels(hardware.cuda)}
     return Machine(capability=capability, te_recipe=probe_te_support(precision, capability),
-                   mamba_ssm="mamba_ssm" in packages, causal_conv1d="causal_conv1d" in packages)
+                   mamba_ssm=hardware.cuda and mamba_ssm_package_imports(),
+                   causal_conv1d="causal_conv1d" in packages,
+                   mamba_triton="mamba_ssm" in packages)
 
 
 def choose_backend(precision: PrecisionConfig, model_spec: str = "auto",

@@ -14,7 +14,7 @@ import compat
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
 from nvfp4_recipe.megatron.te_runtime import te_layer_context, te_linear_context
 
-from .backend import SPEC_OF_BACKEND, choose_backend  # noqa: F401  (choose_backend: re-exported)
+from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
 from .config import ModelConfig
 from .recompute import RecomputeConfig
 from .specs import LINEAR_NAMES, portable_layer_spec, te_layer_spec, with_linear_contexts
@@ -28,6 +28,9 @@ class BuiltModel:
     runtime_state: RuntimePrecisionState
     backend: str  # "emulated" or "te"
     spec: str  # "portable" or "te"
+    # the build's device-dependent decisions, for the start-up line: Mamba scan, Wgrad fusion,
+    # where the weights were initialised
+    paths: str = ""
 
 
 def precision_policy(cfg: ModelConfig, precision: PrecisionConfig) -> PrecisionPolicy:
@@ -35,6 +38,60 @@ def precision_policy(cfg: ModelConfig, precision: PrecisionConfig) -> PrecisionP
     `precision` key, e.g. an override pattern that matches no linear)."""
     return PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
                            cfg.bf16_last_layers, linear_names=LINEAR_NAMES)
+
+
+def gradient_accumulation_fusion(backend: str, main_grads: bool, apex_fused_wgrad: bool) -> tuple[str, str]:
+    """Where Wgrad accumulates straight into the FP32 `main_grad` (no BF16 `.grad` per
+    micro-batch, no rounding of each micro-batch's contribution): ("config" | "te_layers" |
+    "off", why). Pure; `main_grads`: the model trains under megatron's DDP, which gives every
+    parameter a `main_grad` and handles `grad_added_to_main_grad` (mc 0.16.1
+    distributed/distributed_data_parallel.py:116-119, 438, 552; core_v0.19.0 :119-122, 491);
+    `apex_fused_wgrad`: apex's `fused_weight_gradient_mlp_cuda` imports (what megatron's own
+    linears fuse with: tensor_parallel/layers.py:44-48, 561-573 in 0.16.1).
+
+    - "config": `gradient_accumulation_fusion=True` for the whole model. TE linears get it as
+      `fuse_wgrad_accumulation` (extensions/transformer_engine.py:626, 828 in 0.16.1; :1037, 1267
+      in core_v0.19.0); megatron's local linears (the output layer on both specs) use apex's kernel.
+    - "te_layers": the TE spec without apex. megatron's output layer is a local ColumnParallelLinear
+      (models/mamba/mamba_model.py:139 in 0.16.1, models/hybrid/hybrid_model.py:310 in 0.19.0)
+      that refuses the flag without apex (layers.py:924-932; :1070-1078 in 0.19.0), so the config
+      keeps it off and only the TE linears fuse (compat.te_fuse_wgrad_accumulation).
+    - "off": no main_grad to accumulate into; or the portable spec without apex: its emulated
+      linears compute their own GEMMs (parallel_linear.py replaces `_forward_impl`, so megatron's
+      fused Wgrad is never reached) and the local ColumnParallelLinear refuses the flag.
+    """
+    if not main_grads:
+        return "off", "no FP32 main_grad buffers (the model is not under megatron's DDP)"
+    if apex_fused_wgrad:
+        return "config", ("gradient_accumulation_fusion: Wgrad into the FP32 main grads "
+                          + ("(TE linears, output layer)" if backend == "te" else
+                             "(megatron's local linears: the output layer; the emulated linears "
+                             "run their own GEMMs)"))
+    if backend == "te":
+        return "te_layers", ("Wgrad into the FP32 main grads in the TE linears (TE "
+                             "fuse_wgrad_accumulation); not in the output layer, which needs apex")
+    return "off", ("no gradient_accumulation_fusion: the emulated linears run their own GEMMs and "
+                   "megatron's fused Wgrad needs apex's fused_weight_gradient_mlp_cuda")
+
+
+def apex_fused_wgrad_available() -> bool:
+    """Whether megatron's linears found apex's fused Wgrad kernel (the flag megatron itself
+    sets when it imports `fused_weight_gradient_mlp_cuda`, tensor_parallel/layers.py:44-48)."""
+    from megatron.core.tensor_parallel import layers
+
+    return bool(getattr(layers, "_grad_accum_fusion_available", False))
+
+
+def use_cpu_initialization(cuda: bool) -> bool:
+    """Where the initial weights are drawn. A CPU run: on the CPU, each full weight from the
+    common RNG stream (every TP rank identical; the CPU tests and golden losses rest on it). A
+    CUDA run: on the GPU (`use_cpu_initialization=False`), each rank drawing its own shard under
+    megatron's model-parallel RNG tracker, which `compat.seed_model_parallel_rng` seeds before the
+    model is built (`model_parallel_cuda_manual_seed`: one stream per TP rank, the same across
+    data-parallel ranks; tensor_parallel/random.py, `_initialize_affine_weight_gpu` in
+    tensor_parallel/layers.py forks it). On the CPU a 12B model's initialisation is minutes of
+    single-threaded draws and a copy of every weight to the GPU."""
+    return not cuda
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int) -> int:
@@ -47,9 +104,14 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
                        num_layers_in_last_stage=None,
                        params_dtype: torch.dtype = torch.float32,
                        recompute: RecomputeConfig = RecomputeConfig(),
-                       sequence_parallel: bool = False) -> TransformerConfig:
+                       sequence_parallel: bool = False, cpu_initialization: bool = True,
+                       mem_eff_mamba: bool = False,
+                       fuse_wgrad: bool = False) -> TransformerConfig:
     """megatron's config for the model. Training passes params_dtype=bf16 (BF16 weights and
-    activations; FP32 master weights live in the optimizer); float32 serves exact comparisons."""
+    activations; FP32 master weights live in the optimizer); float32 serves exact comparisons.
+    `cpu_initialization`: use_cpu_initialization; `mem_eff_mamba`: use_mamba_mem_eff_path
+    (backend.mamba_mem_eff_path); `fuse_wgrad`: gradient_accumulation_fusion ("config" of
+    gradient_accumulation_fusion())."""
     recompute.validate()
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -62,7 +124,7 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         mamba_head_dim=cfg.mamba_head_dim,
         mamba_state_dim=cfg.mamba_state_dim,
         mamba_num_groups=cfg.mamba_num_groups,
-        use_mamba_mem_eff_path=False,
+        use_mamba_mem_eff_path=mem_eff_mamba,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.layernorm_epsilon,
         activation_func=squared_relu,
@@ -73,7 +135,7 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         init_method_std=cfg.init_method_std,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,  # what megatron's Float16Module requires
-        use_cpu_initialization=True,
+        use_cpu_initialization=cpu_initialization,
         perform_initialization=initialize,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -83,7 +145,7 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         **recompute.megatron_fields(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=fuse_wgrad,
         persist_layer_norm=False,
         pipeline_dtype=params_dtype,  # what flows between pipeline stages
     )
@@ -94,8 +156,14 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 post_process: bool = True, pg_collection=None, initialize: bool = True,
                 backend: str | None = None, params_dtype: torch.dtype = torch.float32,
                 recompute: RecomputeConfig = RecomputeConfig(), sequence_parallel: bool = False,
-                **stage_kwargs) -> BuiltModel:
-    """The megatron-core hybrid model with one layer spec per pattern layer."""
+                cuda: bool = False, main_grads: bool = False, **stage_kwargs) -> BuiltModel:
+    """The megatron-core hybrid model with one layer spec per pattern layer.
+
+    `cuda`: the run's device is a GPU (`Hardware.cuda`): the weights are initialised there
+    (use_cpu_initialization); the TE spec's Mamba mixer takes megatron's fused path where
+    causal_conv1d is there (backend.mamba_mem_eff_path). `main_grads`: the model will train
+    under megatron's DDP (FP32 main grads), so Wgrad may accumulate into them
+    (gradient_accumulation_fusion). The defaults build what CPU runs and tests always built."""
     cfg.validate()
     policy = precision_policy(cfg, precision)
     if backend is None:
@@ -134,10 +202,16 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 "layer_contexts": contexts, "recompute_config": recompute,
                 "te_layers": backend == "te"},
     )
+    fusion, fusion_why = gradient_accumulation_fusion(backend, main_grads,
+                                                      main_grads and apex_fused_wgrad_available())
+    mem_eff = mamba_mem_eff_path(spec_family, _causal_conv1d(backend))
     config = transformer_config(cfg, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, initialize=initialize,
                                 params_dtype=params_dtype, recompute=recompute,
-                                sequence_parallel=sequence_parallel, **stage_kwargs)
+                                sequence_parallel=sequence_parallel,
+                                cpu_initialization=use_cpu_initialization(cuda),
+                                mem_eff_mamba=mem_eff,
+                                fuse_wgrad=fusion == "config", **stage_kwargs)
     model_cls = compat.hybrid_model_class()
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     module = model_cls(
@@ -152,5 +226,25 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
         **compat.hybrid_model_kwargs(stack_spec, cfg.pattern),
         **extra,
     )
+    if fusion == "te_layers":
+        compat.te_fuse_wgrad_accumulation(module)
+    if spec_family == "te":
+        scan = ("megatron's fused conv1d + SSD scan (use_mamba_mem_eff_path)" if mem_eff else
+                "megatron's non-fused path (no causal_conv1d)")
+    else:
+        from .mamba_mixer import mamba_kernels_how
+
+        scan = mamba_kernels_how(cuda)
+    paths = (f"Mamba: {scan}; {fusion_why}; weights initialised on the "
+             f"{'CPU' if use_cpu_initialization(cuda) else 'GPU'}")
     return BuiltModel(module=module, policy=policy, runtime_state=state, backend=backend,
-                      spec=spec_family)
+                      spec=spec_family, paths=paths)
+
+
+def _causal_conv1d(backend: str) -> bool:
+    """Whether causal_conv1d imports, asked only for the TE spec (a CUDA run)."""
+    if backend != "te":
+        return False
+    from .mamba_mixer import mamba_kernels
+
+    return "causal_conv1d_fn" in mamba_kernels(cuda=True)

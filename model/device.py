@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_recipe.compute import GemmCompute, gemm_compute
+from nvfp4_recipe.compute import GemmCompute, gemm_compute, tf32_matmuls
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class Hardware:
         """What BF16 GEMMs compute in on this device (`precision.gemm_compute`)."""
         isa = (f"compute capability {self.cuda_capability[0]}.{self.cuda_capability[1]}"
                if self.cuda else self.cpu_isa)
-        return gemm_compute(requested, self.device_type, self.bf16_gemms_native, isa)
+        return gemm_compute(requested, self.device_type, self.bf16_gemms_native, isa,
+                            tf32=self.cuda and tf32_matmuls())
 
 
 def cuda_present() -> bool:

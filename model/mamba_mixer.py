@@ -19,10 +19,12 @@ kernels at import time and its constructor raises without them. This one:
   checkpoints are interchangeable with megatron's mixer;
 * on CPU (or when the kernels are missing) runs a pure-PyTorch path: causal depthwise conv1d,
   the chunked SSD scan of :mod:`model.ssd` in float32, gated RMSNorm ``norm(y * silu(z))``;
-* on CUDA uses each kernel that imports (lazily), independently: mamba_ssm's Triton SSD scan
-  ``mamba_chunk_scan_combined`` and gated ``rmsnorm_fn`` when ``mamba_ssm`` imports (it does
-  without ``causal_conv1d``: mamba v2.2.4 ``ops/triton/ssd_combined.py:21-25``), and
-  ``causal_conv1d_fn`` when ``causal_conv1d`` imports; the PyTorch path for the rest.
+* on CUDA uses each kernel that loads (lazily), independently: mamba_ssm's Triton SSD scan
+  ``mamba_chunk_scan_combined`` and gated ``rmsnorm_fn`` when they load (they need no
+  ``causal_conv1d``: mamba v2.3.2.post1 ``ops/triton/ssd_combined.py:21-28``; and no compiled
+  mamba_ssm extension either: ``compat.mamba_ssm_triton_kernels`` loads them without the
+  package's ``__init__`` when that fails), and ``causal_conv1d_fn`` when ``causal_conv1d``
+  imports; the PyTorch path for the rest. ``mamba_kernels_how()`` says which scan runs.
 
 Not supported: inference (``inference_context``), packed sequences, context parallelism > 1,
 ``D_has_hdim``, ``rmsnorm=False``, ``norm_before_gate=True``, biases in the projections.
@@ -51,12 +53,13 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+import compat
 from model.recompute import checkpoint_implementation, recompute
 from nvfp4_recipe.parts import part
 from model.ssd import ssd_chunk_scan
 
 __all__ = ["MambaMixer", "MambaMixerSubmodules", "GatedRMSNorm", "mamba_kernels",
-           "mamba_kernels_available"]
+           "mamba_kernels_available", "mamba_kernels_how", "mamba_ssm_package_imports"]
 
 
 @dataclass
@@ -72,7 +75,8 @@ class MambaMixerSubmodules:
 # GPU kernels (lazy)
 # --------------------------------------------------------------------------------------------
 
-_KERNELS = None  # cache: name -> callable, for each kernel that imports
+_KERNELS = None  # cache: name -> callable, for each kernel that loads
+_MAMBA_SSM = (False, "")  # (the mamba_ssm package imports, how its kernels loaded or why not)
 
 # Which package each kernel comes from (the import paths megatron's mixer uses too,
 # mc 0.16.1 ssm/mamba_mixer.py:52-71).
@@ -84,9 +88,10 @@ KERNEL_PACKAGES = {
 
 
 def _load_kernels() -> dict:
-    """Import each package's kernels on their own: a GPU with mamba_ssm but no causal_conv1d
-    still gets the Triton SSD scan and gated norm (and PyTorch's conv1d)."""
-    global _KERNELS
+    """Load each package's kernels on their own: a GPU with mamba_ssm but no causal_conv1d
+    still gets the Triton SSD scan and gated norm (and PyTorch's conv1d), and a mamba_ssm built
+    without its CUDA extension still gives its Triton kernels (compat item 8)."""
+    global _KERNELS, _MAMBA_SSM
     if _KERNELS is None:
         _KERNELS = {}
         try:  # imported only here, never at module import time
@@ -95,15 +100,27 @@ def _load_kernels() -> dict:
             _KERNELS["causal_conv1d_fn"] = causal_conv1d_fn
         except Exception:  # ImportError, or a broken CUDA build
             pass
-        try:
-            from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-            _KERNELS["mamba_chunk_scan_combined"] = mamba_chunk_scan_combined
-            _KERNELS["rmsnorm_fn"] = rmsnorm_fn
-        except Exception:
-            pass
+        kernels, package, how = compat.mamba_ssm_triton_kernels()
+        _KERNELS.update(kernels)
+        _MAMBA_SSM = (package, how)
     return _KERNELS
+
+
+def mamba_ssm_package_imports() -> bool:
+    """Whether the mamba_ssm package itself imports (megatron's mixer on the TE spec needs it)."""
+    _load_kernels()
+    return _MAMBA_SSM[0]
+
+
+def mamba_kernels_how(cuda: bool) -> str:
+    """Which SSD scan and gated norm the portable mixer runs on a run whose device is a GPU
+    (`cuda`), and why: for the start-up line and launch/gpu_check.sh."""
+    if not cuda:
+        return "PyTorch SSD scan and gated norm (CPU run)"
+    kernels = _load_kernels()
+    if "mamba_chunk_scan_combined" in kernels:
+        return f"mamba_ssm Triton SSD scan and gated norm ({_MAMBA_SSM[1]})"
+    return f"PyTorch SSD scan and gated norm ({_MAMBA_SSM[1]})"
 
 
 def mamba_kernels(cuda: bool) -> dict:

@@ -104,12 +104,35 @@ def fp32_gemms_active() -> bool:
     return any(isinstance(mode, FP32Gemms) for mode in _get_current_dispatch_mode_stack())
 
 
+def tf32_matmuls() -> bool:
+    """Whether FP32 matmuls on CUDA may run as TF32 (10-bit mantissa) in this process.
+
+    torch's default is IEEE FP32 (`torch.backends.cuda.matmul.fp32_precision` "none"/"ieee",
+    legacy `allow_tf32` False) and this project never changes it, so the emulation's FP32 GEMMs
+    (the 16-point RHT of the Wgrad operands, `gemm="exact"`, the "fast" output scaling) are
+    exact there. A user who turns TF32 on (`torch.set_float32_matmul_precision("high")`, either
+    flag) would round their inputs to TF32; the start-up line says so. The flag is read, never
+    set: torch >= 2.9 raises at every FP32 cuBLAS call once the legacy and the new TF32 APIs
+    disagree, so toggling it around our GEMMs could break a user's settings. (Triton's `tl.dot`,
+    e.g. mamba_ssm's SSD scan, uses TF32 regardless: launch/ssd_check.py.)"""
+    try:
+        new = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9
+        if new in ("tf32",):
+            return True
+        if new in ("ieee",):
+            return False
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:  # the two APIs disagree: torch itself will refuse FP32 matmuls
+        return True
+
+
 @dataclass(frozen=True)
 class GemmCompute:
     """What BF16 GEMMs compute in for a run, and why (the start-up line says both)."""
 
     dtype: torch.dtype  # torch.bfloat16: as they are; torch.float32: FP32Gemms
     reason: str
+    tf32: bool = False  # a CUDA run whose FP32 matmuls may run as TF32 (tf32_matmuls)
 
     def context(self):
         """The context a forward and backward run in: `FP32Gemms` or nothing."""
@@ -118,20 +141,26 @@ class GemmCompute:
     def describe(self) -> str:
         if self.dtype == torch.float32:
             return f"GEMMs: FP32 on BF16 values: {self.reason}"
-        return f"GEMMs: BF16: {self.reason}"
+        line = f"GEMMs: BF16: {self.reason}"
+        if self.tf32:
+            line += ("; WARNING: TF32 matmuls are on, so the emulation's FP32 GEMMs (RHT, "
+                     "gemm=exact) round their inputs to TF32; torch's default is off")
+        return line
 
 
-def gemm_compute(requested: str, device_type: str, bf16_native: bool, isa: str) -> GemmCompute:
+def gemm_compute(requested: str, device_type: str, bf16_native: bool, isa: str,
+                 tf32: bool = False) -> GemmCompute:
     """The GEMM compute policy (pure): `requested` is the config's `auto | bf16 | fp32`;
     `device_type` the run's device; `bf16_native` whether this device multiplies BF16 natively;
-    `isa` names its instruction set for the reason (e.g. "AVX2", "compute capability 9.0")."""
+    `isa` names its instruction set for the reason (e.g. "AVX2", "compute capability 9.0");
+    `tf32`: FP32 matmuls on this CUDA device may run as TF32 (tf32_matmuls())."""
     if requested not in GEMM_COMPUTE:
         raise ValueError(f"precision.gemm_compute={requested!r}: choose auto, bf16 or fp32")
     if device_type != "cpu":
         if requested == "fp32":
             raise ValueError(f"precision.gemm_compute=fp32 applies to CPU runs; this run is on "
                              f"{device_type} ({isa}), whose BF16 GEMMs accumulate in FP32 already")
-        return GemmCompute(torch.bfloat16, f"{device_type} ({isa})")
+        return GemmCompute(torch.bfloat16, f"{device_type} ({isa})", tf32=tf32)
     if requested == "bf16":
         native = "native" if bf16_native else "no BF16 instructions, slow generic kernel"
         return GemmCompute(torch.bfloat16, f"precision.gemm_compute=bf16 ({isa}: {native})")

@@ -175,3 +175,76 @@ def test_the_cpu_exchange_skips_shards_only_their_reader_needs(parallel_context)
     distribution = ({("a", (0,), None): 0}, None, {}, {("a", (0,), None): [0]})
     out = compat._cpu_exchange_by_distribution(loaded, {}, distribution, None)
     assert out.keys() == loaded.keys() and torch.equal(out[("a", (0,), None)], torch.ones(3))
+
+
+def _stand_in_mamba(root, init: str) -> None:
+    """A mamba_ssm laid out like 2.3.2.post1: `init` is its package __init__; the Triton SSD and
+    gated-norm modules import only a sibling utils module."""
+    files = {
+        "mamba_ssm/__init__.py": init,
+        "mamba_ssm/ops/__init__.py": "",
+        "mamba_ssm/ops/triton/__init__.py": "",
+        "mamba_ssm/ops/triton/ssd_combined.py": (
+            "from mamba_ssm.utils.marker import VALUE\n"
+            "def mamba_chunk_scan_combined(*args, **kwargs):\n    return ('scan', VALUE)\n"),
+        "mamba_ssm/ops/triton/layernorm_gated.py": (
+            "def rmsnorm_fn(*args, **kwargs):\n    return 'norm'\n"),
+        "mamba_ssm/utils/__init__.py": "",
+        "mamba_ssm/utils/marker.py": "VALUE = 42\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+@pytest.fixture
+def stand_in_mamba(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        del sys.modules[name]
+
+
+def test_mamba_triton_kernels_load_without_a_failing_package_init(stand_in_mamba):
+    """Item 8: the wheel built without its CUDA extension (its __init__ imports
+    selective_scan_cuda): the kernels load, and nobody else sees the stand-in package."""
+    import sys
+
+    _stand_in_mamba(stand_in_mamba, "import selective_scan_cuda\n")
+    with pytest.raises(ModuleNotFoundError, match="selective_scan_cuda"):
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401  (the normal import fails)
+    kernels, package, how = compat.mamba_ssm_triton_kernels()
+    assert set(kernels) == set(compat.MAMBA_TRITON_KERNELS) and not package
+    assert kernels["mamba_chunk_scan_combined"]() == ("scan", 42) and kernels["rmsnorm_fn"]() == "norm"
+    assert "without mamba_ssm/__init__.py" in how and "selective_scan_cuda" in how
+    assert not [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]
+
+
+def test_mamba_triton_kernels_import_normally_or_say_why_not(stand_in_mamba):
+    _stand_in_mamba(stand_in_mamba, "")
+    kernels, package, how = compat.mamba_ssm_triton_kernels()
+    assert set(kernels) == set(compat.MAMBA_TRITON_KERNELS) and package and how == "mamba_ssm imported"
+    (stand_in_mamba / "mamba_ssm/utils/marker.py").write_text("import a_missing_dependency\n")
+    (stand_in_mamba / "mamba_ssm/__init__.py").write_text("import selective_scan_cuda\n")
+    for name in [n for n in list(__import__("sys").modules) if n.startswith("mamba_ssm")]:
+        del __import__("sys").modules[name]
+    kernels, package, how = compat.mamba_ssm_triton_kernels()
+    assert kernels == {} and not package
+    assert "selective_scan_cuda" in how and "a_missing_dependency" in how
+
+
+def test_the_portable_mixer_takes_the_kernels_compat_loads(stand_in_mamba, monkeypatch):
+    """On a CUDA run the mixer uses them (and says so); on a CPU run, never."""
+    from model import mamba_mixer
+
+    _stand_in_mamba(stand_in_mamba, "import selective_scan_cuda\n")
+    monkeypatch.setattr(mamba_mixer, "_KERNELS", None)
+    monkeypatch.setattr(mamba_mixer, "_MAMBA_SSM", (False, ""))
+    assert mamba_mixer.mamba_kernels(cuda=False) == {}
+    assert {"mamba_chunk_scan_combined", "rmsnorm_fn"} <= set(mamba_mixer.mamba_kernels(cuda=True))
+    assert not mamba_mixer.mamba_ssm_package_imports()
+    assert mamba_mixer.mamba_kernels_how(cuda=True).startswith(
+        "mamba_ssm Triton SSD scan and gated norm (Triton kernels loaded without mamba_ssm/__init__.py")
+    assert mamba_mixer.mamba_kernels_how(cuda=False) == "PyTorch SSD scan and gated norm (CPU run)"

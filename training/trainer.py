@@ -29,7 +29,8 @@ from .grad_health import GradHealth
 from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line,
                       grad_health_line, render, setup_logging, start_wandb, status_line)
 from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
-                              optimizer_checkpoint_format, optimizer_state_bytes)
+                              optimizer_checkpoint_format, optimizer_state_bytes,
+                              uses_megatron_ddp)
 from .optim import WSDScheduler
 from .pipeline import run_micro_batches
 from .preflight import run_preflight
@@ -138,6 +139,8 @@ class Trainer:
             num_layers_in_last_stage=cfg.parallel.last_stage_layers,
             params_dtype=PARAMS_DTYPE, recompute=recompute_config(tr),
             sequence_parallel=cfg.parallel.sequence,
+            # GPU: initialise there, megatron's fused Mamba path and Wgrad fusion where they run
+            cuda=ctx.hardware.cuda, main_grads=uses_megatron_ddp(ctx.device),
         )
         # What flows between pipeline stages: [sequence, micro-batch, hidden] activations.
         self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
@@ -172,6 +175,7 @@ class Trainer:
         for line in self.precision.describe(backend, reason, ctx.device):
             log.info(line)
         log.info(f"device: {ctx.hardware.describe()}; {self.gemm.describe()}")
+        log.info(f"model paths: {self.built.paths}")
         if self.precision.quantizes:
             for line in (preflight or run_preflight(cfg, backend, ctx.hardware)).summary():
                 log.info(line)

@@ -30,7 +30,7 @@ def _write(root: Path, files: dict) -> None:
 @pytest.fixture
 def fake_mamba(tmp_path, monkeypatch):
     """A mamba_ssm laid out like 2.3.2.post1 built with MAMBA_SKIP_CUDA_BUILD: its __init__ needs
-    the compiled extension; the Triton SSD module needs only a sibling utils module. Plus an
+    the compiled extension; the Triton SSD and gated-norm modules need only a sibling utils module. Plus an
     importable `triton`, and CUDA reported available, so the loader gets past its early skips."""
     _write(tmp_path, {
         "mamba_ssm/__init__.py": "import selective_scan_cuda\n",
@@ -41,6 +41,7 @@ def fake_mamba(tmp_path, monkeypatch):
             "DETERMINISTIC_AT_IMPORT = os.environ.get('MAMBA_DETERMINISTIC')\n"
             "def mamba_chunk_scan_combined(*args, **kwargs):\n"
             "    return VALUE, DETERMINISTIC_AT_IMPORT\n"),
+        "mamba_ssm/ops/triton/layernorm_gated.py": "def rmsnorm_fn(*args, **kwargs):\n    return 'norm'\n",
         "mamba_ssm/utils/__init__.py": "",
         "mamba_ssm/utils/marker.py": "VALUE = 42\n",
         "triton/__init__.py": "",
@@ -64,7 +65,7 @@ def test_triton_ssd_loads_without_the_package_init(fake_mamba):
     # the cheapest-config switch is on while the kernels are decorated, and off again afterwards
     assert fn() == (42, "1") and "MAMBA_DETERMINISTIC" not in os.environ
     assert "without mamba_ssm/__init__.py" in how and "selective_scan_cuda" in how
-    assert "PyTorch scan" in how  # says the trainer's mixer will not use these kernels
+    assert "the trainer's mixer loads it the same way" in how  # compat.mamba_ssm_triton_kernels
     # nobody else sees the stand-in package
     assert "mamba_ssm" not in sys.modules and "mamba_ssm.ops.triton.ssd_combined" not in sys.modules
 

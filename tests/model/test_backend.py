@@ -28,7 +28,8 @@ def test_te_spec_where_everything_runs():
     choice = select_backend(NVFP4, "auto", B200)
     assert (choice.spec, choice.gemm_backend) == ("te", "te")
     assert choice.reason == ("TE spec: compute capability 10.0; transformer_engine and mamba_ssm "
-                             "usable, Mamba convolution: causal_conv1d")
+                             "usable, Mamba mixer: megatron's fused conv1d + SSD scan "
+                             "(use_mamba_mem_eff_path, causal_conv1d)")
 
 
 def test_te_spec_without_causal_conv1d_uses_pytorch_conv():
@@ -36,7 +37,8 @@ def test_te_spec_without_causal_conv1d_uses_pytorch_conv():
     choice = select_backend(NVFP4, "auto", Machine((10, 0), (True, ""), mamba_ssm=True,
                                                    causal_conv1d=False))
     assert (choice.spec, choice.gemm_backend) == ("te", "te")
-    assert choice.reason.endswith("Mamba convolution: PyTorch conv1d (no causal_conv1d)")
+    assert choice.reason.endswith("Mamba mixer: megatron's non-fused path: mamba_ssm SSD scan, "
+                                  "PyTorch conv1d (no causal_conv1d, so no use_mamba_mem_eff_path)")
 
 
 @pytest.mark.parametrize(
@@ -92,9 +94,10 @@ def test_precision_backend_emulated_is_portable():
 
 # -- the probe, on a faked machine ---------------------------------------------------------------
 
-def _fake_gpu(monkeypatch, capability, *, te_checks, kernels):
+def _fake_gpu(monkeypatch, capability, *, te_checks, kernels, triton_only=False):
     """A CUDA device of `capability` with a fake TE >= 2.9 answering `te_checks` and the given
-    Mamba kernels importable."""
+    Mamba kernels importable (`triton_only`: mamba_ssm's Triton kernels load, the package does
+    not import)."""
     import model.mamba_mixer as mm
 
     manager = type("FP8GlobalStateManager", (), {
@@ -108,6 +111,8 @@ def _fake_gpu(monkeypatch, capability, *, te_checks, kernels):
                          ("transformer_engine.pytorch.quantization", quantization)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(mm, "_KERNELS", {name: object() for name in kernels})
+    whole = "mamba_chunk_scan_combined" in kernels and not triton_only
+    monkeypatch.setattr(mm, "_MAMBA_SSM", (whole, "faked"))
     return Hardware(device_type="cuda", cuda_capability=capability, cpu_isa="AVX512",
                     bf16_gemms_native=True)
 
@@ -148,3 +153,24 @@ def test_build_model_refuses_a_backend_against_model_spec():
 
     with pytest.raises(ValueError, match=r"model.spec=portable but backend=te \(the te spec\)"):
         build_model(ModelConfig(spec="portable"), NVFP4, vocab_size=512, backend="te")
+
+
+def test_mamba_ssm_without_its_cuda_extension_gives_the_portable_mixer_its_triton_kernels(monkeypatch):
+    """issue 26, item 4: the MAMBA_SKIP_CUDA_BUILD wheel. The TE spec still cannot run (megatron's
+    mixer imports the package), but the portable mixer's line says the Triton scan runs."""
+    gpu = _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
+                    kernels=("mamba_chunk_scan_combined", "rmsnorm_fn"), triton_only=True)
+    backend, reason = choose_backend(NVFP4, "auto", gpu)
+    assert backend == "emulated"
+    assert reason == ("portable spec: mamba_ssm not importable (the TE spec's Mamba mixer needs it; "
+                      "its Triton kernels load without it, for the portable mixer); Mamba mixer: "
+                      "mamba_ssm SSD scan and gated norm, PyTorch conv1d")
+
+
+@pytest.mark.parametrize("spec,causal_conv1d,expected", [
+    ("te", True, True), ("te", False, False), ("portable", True, False), ("portable", False, False)])
+def test_mamba_mem_eff_path(spec, causal_conv1d, expected):
+    """megatron's fused Mamba path on the TE spec where it can run (needs causal_conv1d)."""
+    from model.backend import mamba_mem_eff_path
+
+    assert mamba_mem_eff_path(spec, causal_conv1d) is expected

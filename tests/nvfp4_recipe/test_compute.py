@@ -202,3 +202,21 @@ def test_emulated_fast_gemms_compute_the_same_numbers_in_fp32(fmt):
     for got, ref in zip(fp32, bf16):
         assert got.dtype == ref.dtype == BF16
         assert bf16_ulps(got, ref.double()) <= 1.0
+
+
+def test_tf32_is_read_from_torch_and_named_on_the_start_up_line():
+    """issue 26, item 7: the emulation's FP32 GEMMs (RHT, gemm=exact) are IEEE FP32 under torch's
+    default; a user who turns TF32 on is told. The flag is only read (compute.tf32_matmuls)."""
+    from nvfp4_recipe.compute import tf32_matmuls
+
+    matmul = torch.backends.cuda.matmul
+    assert tf32_matmuls() is False  # torch's default, which nothing in the project changes
+    try:
+        matmul.fp32_precision = "tf32"
+        assert tf32_matmuls() is True
+    finally:
+        matmul.fp32_precision = "none"
+    assert tf32_matmuls() is False
+    on = gemm_compute("auto", "cuda", True, "compute capability 9.0", tf32=True)
+    assert "TF32 matmuls are on" in on.describe() and on.dtype == BF16
+    assert "TF32" not in gemm_compute("auto", "cuda", True, "compute capability 9.0").describe()
