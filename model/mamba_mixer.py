@@ -342,7 +342,8 @@ class MambaMixer(MegatronModule):
 
         # Parameters are created on the CUDA device unless use_cpu_initialization (then on the
         # ambient default device, so `with torch.device("meta"):` works), as megatron's layers
-        # do (mc 0.16.1 tensor_parallel/layers.py:806-835); the project always builds with it.
+        # do (mc 0.16.1 tensor_parallel/layers.py:849-880, ColumnParallelLinear). CPU runs always
+        # build with it (model/build.py: use_cpu_initialization).
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
         params_dtype = config.params_dtype
 
