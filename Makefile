@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	$(PY) -m pip install --quiet -e ".[dev,hf,eval]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -85,18 +85,8 @@ def run_micro_batches(model: torch.nn.Module, micro_batches: list[dict], ctx: Pa
 
     config = get_model_config(model)
     n = len(micro_batches)
-    forward_step = make_forward_step(ctx)
-    gemm = gemm or ctx.hardware.gemm_compute()
-    if ctx.device.type == "cuda":
-        reports = _megatron_schedule(model, micro_batches, forward_step, activation_shape,
-                                     forward_only)
-    else:
-        with cpu_sequence_parallel_buffers(config.sequence_parallel, cuda=False), gemm.context():
-            if ctx.pipeline == 1:
-                reports = _accumulate(model, micro_batches, forward_step, config, forward_only)
-            else:
-                reports = _gpipe(model, micro_batches, ctx, forward_step, config,
-                                 stage_tensor_shape(activation_shape, config), forward_only)
+    reports = run_schedule(model, micro_batches, ctx, activation_shape, make_forward_step(ctx),
+                           forward_only, gemm)
     if not forward_only and ctx.device.type != "cuda" and config.finalize_model_grads_func:
         config.finalize_model_grads_func([model])  # megatron's schedules end with this
     total = mean_micro_batch_loss(reports, n, ctx.device) if ctx.last_stage else (
@@ -104,6 +94,26 @@ def run_micro_batches(model: torch.nn.Module, micro_batches: list[dict], ctx: Pa
     if ctx.pipeline > 1:  # only the last stage computed the loss
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return total
+
+
+def run_schedule(model: torch.nn.Module, micro_batches: list[dict], ctx: ParallelContext,
+                 activation_shape: tuple[int, ...], forward_step: Callable, forward_only: bool,
+                 gemm: Optional[GemmCompute] = None) -> list[dict]:
+    """`forward_step`'s loss reports (the last stage's; empty elsewhere) from megatron's schedule
+    on CUDA or its CPU twin, under the GEMM compute policy: what run_micro_batches runs, and what
+    the downstream evaluation (training/lm_eval_model.py) runs with its own forward step."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    gemm = gemm or ctx.hardware.gemm_compute()
+    if ctx.device.type == "cuda":
+        return _megatron_schedule(model, micro_batches, forward_step, activation_shape,
+                                  forward_only)
+    with cpu_sequence_parallel_buffers(config.sequence_parallel, cuda=False), gemm.context():
+        if ctx.pipeline == 1:
+            return _accumulate(model, micro_batches, forward_step, config, forward_only)
+        return _gpipe(model, micro_batches, ctx, forward_step, config,
+                      stage_tensor_shape(activation_shape, config), forward_only)
 
 
 def stage_tensor_shape(activation_shape: tuple[int, ...], config) -> tuple[int, ...]:

@@ -1,0 +1,163 @@
+"""Write the shipped downstream tasks: lm-eval task YAMLs and their JSONL, for the demo corpus.
+
+    python -m data.make_eval_tasks [--output data/eval_tasks] [--docs 200] [--seed 20250925]
+
+Every sample is generated here from the demo corpus's own templates (data/demo.py: its arithmetic
+and word problems), with a seed of its own, so a fresh clone evaluates offline and the files are
+reproducible (tests/data/test_make_eval_tasks.py regenerates and compares them). Nothing is
+copied from a benchmark. The tasks (training/downstream.py finds them by name):
+
+- demo_arith: greedy completion of `a + b =` / `a - b =` (exact match; generate_until)
+- demo_arith_choice: the same sums as a 4-way choice among near misses (acc, acc_norm)
+- demo_next_word: which item a word problem asks about ("How many" -> " apples"), 4-way
+- demo_worksheet: log-likelihood of whole held-out worksheets (word/byte perplexity, bits per
+  byte; loglikelihood_rolling)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from .demo import _ITEMS, _NAMES, math_documents
+
+OUTPUT = Path(__file__).resolve().parent / "eval_tasks"
+SEED = 20250925
+
+LOADER = '''"""Loads a shipped task's JSONL (beside this file) for lm-eval's `custom_dataset`; written by
+data/make_eval_tasks.py."""
+
+from pathlib import Path
+
+
+def load(file: str, **_metadata):
+    import datasets
+
+    path = str(Path(__file__).resolve().parent / file)
+    return datasets.DatasetDict({"test": datasets.Dataset.from_json(path)})
+'''
+
+COMMON = """custom_dataset: !function loader.load
+dataset_kwargs:
+  file: {file}
+test_split: test
+"""
+
+YAMLS = {
+    "demo_arith": """output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    regexes_to_ignore: ["\\\\s"]
+""",
+    "demo_arith_choice": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""",
+    "demo_next_word": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""",
+    "demo_worksheet": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+""",
+}
+
+
+def arith(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    if rng.random() < 0.5:
+        return f"{a} + {b} =", a + b
+    a, b = max(a, b), min(a, b)
+    return f"{a} - {b} =", a - b
+
+
+def samples(docs: int, seed: int) -> dict[str, list[dict]]:
+    rng = random.Random(seed)
+    out: dict[str, list[dict]] = {name: [] for name in YAMLS}
+    for i in range(docs):
+        question, value = arith(rng)
+        out["demo_arith"].append({"question": question, "answer": str(value)})
+        question, value = arith(rng)
+        wrong = rng.sample([v for v in (value + 1, value - 1, value + 10, value - 10, value + 2)
+                            if v >= 0], 3)
+        choices = [value, *wrong]
+        rng.shuffle(choices)
+        out["demo_arith_choice"].append({"question": question,
+                                         "choices": [f" {c}" for c in choices],
+                                         "answer": choices.index(value)})
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        a, b = rng.randint(2, 60), rng.randint(1, 40)
+        choices = [item, *rng.sample([x for x in _ITEMS if x != item], 3)]
+        rng.shuffle(choices)
+        out["demo_next_word"].append({
+            "question": f"{name} has {a} {item} and gets {b} more. How many",
+            "choices": [f" {c}" for c in choices], "answer": choices.index(item)})
+    out["demo_worksheet"] = [{"text": t} for t in math_documents(max(docs // 10, 1), seed)]
+    return out
+
+
+def write(output: Path, docs: int = 200, seed: int = SEED) -> list[Path]:
+    output.mkdir(parents=True, exist_ok=True)
+    written = [output / "loader.py"]
+    written[0].write_text(LOADER)
+    for name, rows in samples(docs, seed).items():
+        jsonl = output / f"{name}.jsonl"
+        jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        yaml = output / f"{name}.yaml"
+        yaml.write_text(f"# Generated by data/make_eval_tasks.py (seed {seed}); do not edit.\n"
+                        f"task: {name}\n" + COMMON.format(file=jsonl.name) + YAMLS[name]
+                        + "metadata:\n  version: 1.0\n")
+        written += [jsonl, yaml]
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--docs", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args(argv)
+    for path in write(args.output, args.docs, args.seed):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
