@@ -4,14 +4,19 @@
 # or mamba_ssm. Run from the repository root:
 #
 #   make gpu-wheels                            # anywhere with network: .wheels/ (< 40 MiB), then copy the repo over
-#   WHEELS=.wheels bash launch/gpu_check.sh    # on the GPU machine: OUT=runs/gpu_check, < 8 min on one H200
+#   WHEELS=.wheels bash launch/gpu_check.sh    # on the GPU machine: OUT=runs/gpu_check, < 10 min on one H200
 #   OUT=/tmp/x GPU_CHECK_QUICK=1 bash launch/gpu_check.sh   # CI (CPU mode): < 2 min on 2 cores
 #
 # Parts, in order; each is "ok", "FAILED (...)" or "skipped: <reason>" in $OUT/summary.md:
 #   deps        installs what the check imports and the machine lacks: from $WHEELS offline with
 #               --no-deps into $GPU_CHECK_SITE (put first on PYTHONPATH; torch and the rest of the
 #               machine's environment untouched), or without WHEELS from the index, torch pinned
-#   cuda_tests  tests/nvfp4_recipe/test_cuda_numerics.py: the NVFP4 emulation on CUDA is bit-exact to CPU
+#   cuda_tests  tests/nvfp4_recipe/test_cuda_numerics.py: the NVFP4 emulation on CUDA is bit-exact to CPU,
+#               never synchronizes (set_sync_debug_mode "error"), FP32 GEMMs IEEE unless TF32 is on
+#   gpu_path    what the GPU path runs (launch/gpu_path_check.py): synchronizing calls in a trainer
+#               step by line, which SDPA kernel the portable attention gets (and its time against the
+#               old FP32 form), which Mamba scan runs, megatron's grad-norm fallback against
+#               torch._foreach_norm
 #   ssd_triton  mamba_ssm's Triton SSD scan vs the mixer's PyTorch scan, fwd+bwd (launch/ssd_check.py)
 #   demo_bf16   DEMO_STEPS (GPU 30) steps of the demo: BF16 weights, megatron's DDP and distributed
 #               optimizer (DP=1), megatron's schedule (on CUDA), full activation recompute
@@ -25,7 +30,7 @@
 # GPU_CHECK_NO_INSTALL=1 (never install), GPU_CHECK_QUICK=1 (smallest settings), GPU_CHECK_PARTS
 # (comma list, default all), GPU_CHECK_BUDGET_S (whole run; GPU default 470 s), GPU_CHECK_SITE
 # (default .cache/gpu_check_site), DEMO_STEPS, BENCH_TRAIN_MODELS (GPU default demo,1b),
-# NVFP4_CACHE (demo corpus cache). Expected on one H200: ~5 min (untested: no GPU was available
+# NVFP4_CACHE (demo corpus cache). Expected on one H200: ~7 min (untested: no GPU was available
 # when this was written). Exit status 0 when no part failed (skips are not failures), else 1.
 set -uo pipefail
 
@@ -34,13 +39,13 @@ REPO=$(pwd)
 OUT=${OUT:-runs/gpu_check}
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 QUICK=${GPU_CHECK_QUICK:-0}
-PARTS=${GPU_CHECK_PARTS:-deps,cuda_tests,ssd_triton,demo_bf16,demo_nvfp4,bench}
+PARTS=${GPU_CHECK_PARTS:-deps,cuda_tests,gpu_path,ssd_triton,demo_bf16,demo_nvfp4,bench}
 SITE=${GPU_CHECK_SITE:-$REPO/.cache/gpu_check_site}
 mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 1; }
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
 # a rerun (e.g. of some parts) must not report an earlier run's results
-for f in deps.log deps.md deps_plan.txt deps_imports.txt cuda_tests.log cuda_tests.xml ssd_triton.log \
+for f in deps.log deps.md deps_plan.txt deps_imports.txt cuda_tests.log cuda_tests.xml gpu_path.log gpu_path.json ssd_triton.log \
          ssd_triton.json demo_bf16.log demo_nvfp4.log bench.log bench.json bench.md demo_bf16 demo_nvfp4; do
     rm -rf "${OUT:?}/$f"
 done
@@ -56,11 +61,15 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 if [ "$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then MODE=gpu; else MODE=cpu; fi
 if [ "$MODE" = gpu ]; then
-    BUDGET=${GPU_CHECK_BUDGET_S:-470}  # the whole run, < 8 min; a part gets min(its limit, what is left)
-    LIMIT_DEPS=60 LIMIT_TESTS=75 LIMIT_SSD=120 LIMIT_DEMO_BF16=75 LIMIT_DEMO_NVFP4=90 LIMIT_BENCH=180
+    BUDGET=${GPU_CHECK_BUDGET_S:-570}  # the whole run, < 10 min; a part gets min(its limit, what is left)
+    # LIMIT_TESTS: cold compiles dominate. test_cuda_numerics compiles the quantizer kernels with
+    # inductor + Triton (dynamic shapes: ~11 graphs, per input dtype, output and rounding), estimated
+    # 4-8 s each cold -> 45-90 s, plus ~25 s of tests and CUDA start-up: ~70-115 s; 180 s leaves
+    # 1.5x of the upper estimate (75 s did not cover it). Later parts reuse inductor's disk cache.
+    LIMIT_DEPS=60 LIMIT_TESTS=180 LIMIT_GPU_PATH=150 LIMIT_SSD=120 LIMIT_DEMO_BF16=75 LIMIT_DEMO_NVFP4=90 LIMIT_BENCH=180
 else
     BUDGET=${GPU_CHECK_BUDGET_S:-900}  # CPU limits leave room for a loaded CI machine
-    LIMIT_DEPS=120 LIMIT_TESTS=120 LIMIT_SSD=60 LIMIT_DEMO_BF16=180 LIMIT_DEMO_NVFP4=180 LIMIT_BENCH=330
+    LIMIT_DEPS=120 LIMIT_TESTS=120 LIMIT_GPU_PATH=60 LIMIT_SSD=60 LIMIT_DEMO_BF16=180 LIMIT_DEMO_NVFP4=180 LIMIT_BENCH=330
 fi
 KILL_AFTER=10
 
@@ -122,6 +131,10 @@ write_summary() {
         printf '%s\n' "${RESULTS[@]}"
         echo
         [ -f "$OUT/deps.md" ] && cat "$OUT/deps.md" && echo
+        if [ -f "$OUT/gpu_path.log" ] && grep -q "^\(sync\|sdpa\|scan\|grad_norm\): " "$OUT/gpu_path.log"; then
+            echo "## gpu_path (launch/gpu_path_check.py; numbers in gpu_path.json)"; echo
+            grep "^\(sync\|sdpa\|scan\|grad_norm\): " "$OUT/gpu_path.log" | sed 's/^/- /'; echo
+        fi
         if [ -f "$OUT/ssd_triton.log" ] && grep -q "^mamba_chunk_scan_combined:" "$OUT/ssd_triton.log"; then
             echo "## ssd_triton (relative L2 error vs the float64 PyTorch scan)"; echo; echo '```'
             sed -n '/^mamba_chunk_scan_combined:/,$p' "$OUT/ssd_triton.log"; echo '```'; echo
@@ -158,7 +171,7 @@ for name in ("demo_bf16", "demo_nvfp4"):
                 keys[k] = v.strip()
         print("  - config: " + ", ".join(f"trainer.{k}={v}" for k, v in keys.items()))
     for line in log.read_text(errors="replace").splitlines():
-        if line.startswith(("parallel:", "mixed precision:")) or re.match(r"precision \w+: ", line):
+        if line.startswith(("parallel:", "mixed precision:", "model paths:", "device:")) or re.match(r"precision \w+: ", line):
             print(f"  - {line.strip()}")
 bench = out / "bench.md"
 if bench.exists():
@@ -315,6 +328,7 @@ DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval
 # the Triton SSD tests of test_cuda_numerics.py run in their own part (one Triton compile)
 JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$LIMIT_TESTS" "$PYTHON" -m pytest -q -rs tests/nvfp4_recipe/test_cuda_numerics.py \
     -k "not triton_ssd" --junitxml="$OUT/cuda_tests.xml" -p no:cacheprovider
+part gpu_path "$LIMIT_GPU_PATH" "$PYTHON" -m launch.gpu_path_check --json "$OUT/gpu_path.json"
 part ssd_triton "$LIMIT_SSD" "$PYTHON" -m launch.ssd_check --json "$OUT/ssd_triton.json"
 part demo_bf16 "$LIMIT_DEMO_BF16" "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"
 part demo_nvfp4 "$LIMIT_DEMO_NVFP4" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \

@@ -17,6 +17,7 @@
 #                   per-rank logs in RUN_DIR/logs (default: train.py's runs/<run.name>)
 #   LOG_RANK        local ranks shown on the console (default 0; "0,1" or "" for all)
 #   SHUTDOWN_TIMEOUT seconds the trainers get to checkpoint after a signal before SIGKILL (300)
+#   CUDA_DEVICE_MAX_CONNECTIONS  exported as 1 unless set (what megatron's TP overlap relies on)
 #   PYTHON          interpreter (default: the repo's .venv/bin/python, else python3)
 #
 # Exit code: train.py's (the first rank to fail), 0 when every rank finished. SIGTERM, SIGUSR1 or
@@ -27,6 +28,13 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-$( [[ -x $REPO/.venv/bin/python ]] && echo "$REPO/.venv/bin/python" || echo python3)}
 export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
+# megatron's tensor-parallel linears start their sequence-parallel all-gather / reduce-scatter
+# before the GEMM that must wait for it and "rely on CUDA_DEVICE_MAX_CONNECTIONS=1" (one hardware
+# queue) for the order (mc 0.16.1 tensor_parallel/layers.py:526,545,558; core_v0.19.0 :621,640,653);
+# its examples/mamba/train.sh:32 exports it; not needed from Blackwell on (core_v0.19.0
+# training/arguments.py:1412-1415), nor at TP=1, where it costs nothing. A value you set wins
+# (megatron's FSDP, not used here, wants it > 1).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}
 args=(--nnodes "${NNODES:-1}" --nproc-per-node "$(( NPROC_PER_NODE > 0 ? NPROC_PER_NODE : 1 ))"
       --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:-localhost:0}"

@@ -169,5 +169,21 @@ def test_parts_past_the_runs_budget_are_skipped_with_the_reason(tmp_path):
                           text=True, timeout=300)
     summary = (out / "summary.md").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:]  # skipped is not failed
-    for name in ("cuda_tests", "ssd_triton", "demo_bf16", "demo_nvfp4", "bench"):
+    for name in ("cuda_tests", "gpu_path", "ssd_triton", "demo_bf16", "demo_nvfp4", "bench"):
         assert f"| {name} | skipped: the run's 20 s budget (GPU_CHECK_BUDGET_S) is spent |" in summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip")
+def test_gpu_path_check_skips_without_cuda_and_names_lines_by_repository_path(capsys):
+    """launch/gpu_path_check.py (part gpu_path): exit 77 with the reason on CPU; its sync counts
+    name this project's lines relative to the repository (what decides a failure) and the
+    libraries' relative to site-packages."""
+    from launch import gpu_path_check
+
+    assert gpu_path_check.main([]) == gpu_path_check.SKIP_EXIT
+    assert capsys.readouterr().out.strip() == "skipped: needs a CUDA device; none visible to torch"
+    assert gpu_path_check._where(str(REPO / "nvfp4_recipe" / "nvfp4.py")).startswith(
+        gpu_path_check.OURS_PER_MICRO_BATCH)
+    import megatron.core.optimizer.clip_grads as clip
+
+    assert gpu_path_check._where(clip.__file__) == "megatron/core/optimizer/clip_grads.py"

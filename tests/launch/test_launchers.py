@@ -174,3 +174,19 @@ def test_sbatch_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, 
     assert records.index(preempted) == stop  # the event follows step `stop`'s record
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stop:07d}'} at step {stop}" in log
     assert (run_dir / "checkpoints" / f"step_{max_steps:07d}").is_dir()
+
+
+@pytest.mark.parametrize("given,expected", [(None, "1"), ("8", "8")])
+def test_torchrun_sh_exports_cuda_device_max_connections(tmp_path, given, expected):
+    """What megatron's tensor-parallel overlap relies on (launch/torchrun.sh cites it): 1 unless
+    the user set it. PYTHON is a stand-in that prints what the trainers would see."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "CDMC=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    env.update(PYTHON=str(fake), NPROC_PER_NODE="1")
+    if given is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = given
+    out = subprocess.run(["bash", str(REPO / "launch/torchrun.sh")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"CDMC={expected}", out.stderr
