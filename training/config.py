@@ -153,6 +153,33 @@ class LoggerConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    """Downstream tasks in the loop (lm-evaluation-harness; training/downstream.py)."""
+
+    # lm-eval task names (data/eval_tasks/ ships offline demo tasks), groups, tags, or paths to
+    # task YAMLs. Empty: no downstream evaluation, and lm-eval is never imported.
+    tasks: list[str] = field(default_factory=list)
+    # Every N optimizer steps, and at the last step. The step's checkpoint is written before the
+    # evaluation, so a run killed during one resumes it without training again.
+    every: int = 100
+    # Samples per task (null: all of them).
+    limit: Optional[int] = None
+    # Requests per forward (each a row of up to trainer.seq_length tokens).
+    batch_size: int = 8
+
+    def validate(self) -> None:
+        for key in ("every", "batch_size"):
+            value = getattr(self, key)
+            if not (_number(value) and value >= 1):
+                raise ValueError(f"evaluation.{key}={value} must be >= 1")
+        if self.limit is not None and not (_number(self.limit) and self.limit >= 1):
+            raise ValueError(f"evaluation.limit={self.limit} must be >= 1 (or null: every sample)")
+        for task in self.tasks:
+            if not str(task).strip():
+                raise ValueError("evaluation.tasks: an empty task name")
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -161,6 +188,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     # The dry run's memory/time assumptions (training/plan.py).
     plan: PlanConfig = field(default_factory=PlanConfig)
 
@@ -177,6 +205,7 @@ def register_configs() -> None:
     for group, node in (("model", ModelConfig), ("precision", PrecisionConfig),
                         ("data", DataConfig), ("parallel", ParallelConfig),
                         ("trainer", TrainerConfig), ("logger", LoggerConfig),
+                        ("evaluation", EvaluationConfig),
                         ("plan", PlanConfig)):
         cs.store(group=group, name=f"{group}_schema", node=node)
 
@@ -187,6 +216,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     A run's data files and tokenizer must exist (MissingDataError); a dry run plans without them."""
     cfg.run.validate()
     check_ranges(cfg)
+    cfg.evaluation.validate()
     cfg.model.validate()
     if cfg.model.init_from is not None:
         from .init_from import check_run_init, is_run_dir

@@ -27,7 +27,11 @@ LM_EVAL_HINT = "lm-eval is not installed: pip install -e '.[eval]' (or `make set
 
 
 class TaskUnavailable(Exception):
-    """A task that is unknown, or whose dataset needs the network and is not cached."""
+    """A task whose dataset needs the network and is not cached (or lm-eval is missing)."""
+
+
+class UnknownTask(TaskUnavailable):
+    """A name that is no lm-eval task, group or tag, nor a task YAML file."""
 
 
 def go_offline() -> None:
@@ -63,7 +67,7 @@ def _leaf_configs(name: str, manager, seen: set) -> list[tuple[str, dict]]:
     seen.add(name)
     entry = manager.task_index.get(name)
     if entry is None:
-        raise TaskUnavailable(f"evaluation task {name!r}: not an lm-eval task, group or tag, nor "
+        raise UnknownTask(f"evaluation task {name!r}: not an lm-eval task, group or tag, nor "
                               f"a task YAML file (shipped tasks: {', '.join(shipped_tasks())})")
     if entry.kind == Kind.TAG:
         return [leaf for task, e in manager.task_index.items() if name in e.tags

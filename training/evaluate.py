@@ -13,7 +13,8 @@ stderr, configs) and the flat `eval/<task>/<metric>` values.
 Tasks: names from data/eval_tasks/ (the shipped, offline demo tasks), lm-eval's own catalogue,
 or paths to task YAMLs. Offline by design: a task whose dataset is not local or cached is
 refused before anything runs. Exit codes as the trainer's: 2 a bad argument (run directory,
-step, task, --output), 3 a task's dataset is not available offline or the tokenizer is missing,
+step, an unknown task, --output), 3 a task's dataset is not available offline (or lm-eval is not
+installed) or the tokenizer is missing,
 6 the checkpoint is torn, corrupt or refused, 8 --output cannot be written.
 """
 
@@ -139,10 +140,12 @@ def main(argv=None) -> int:
     ctx = None
     try:
         tasks = check_args(args)
-        from .downstream import TaskUnavailable, prepare_tasks
+        from .downstream import TaskUnavailable, UnknownTask, prepare_tasks
 
         try:
             manager = prepare_tasks(tasks)  # refused here, before any model is built
+        except UnknownTask as exc:
+            raise EvaluateError(str(exc), EXIT_CONFIG) from None
         except TaskUnavailable as exc:
             raise EvaluateError(str(exc), EXIT_MISSING) from None
         from .distributed import init_distributed, shutdown

@@ -201,8 +201,9 @@ def read_metrics(run_dir: Path, kind: Optional[Literal["step", "event"]] = None)
 
 
 def wandb_key(key: str) -> str:
-    """train/... for training values, val/... for validation; data/, quant/, grad/ keep theirs."""
-    if key.startswith(("data/", "quant/", "grad/", "event")):
+    """train/... for training values, val/... for validation; data/, quant/, grad/, eval/ (the
+    downstream tasks) keep theirs."""
+    if key.startswith(("data/", "quant/", "grad/", "eval/", "event")):
         return key
     if key.startswith("val_"):
         return "val/" + key[4:]

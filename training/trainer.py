@@ -24,6 +24,7 @@ from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, recompute_config, validate
+from .downstream import DownstreamEvaluator
 from .distributed import ParallelContext, init_distributed, shutdown, stochastic_rounding_seed
 from .grad_health import GradHealth
 from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line,
@@ -172,6 +173,8 @@ class Trainer:
         self.wandb_id: Optional[str] = None
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
         self.val_batches = self.data.validation_batches(tr.eval_batches)
+        self.downstream = DownstreamEvaluator(cfg.evaluation, tr.max_steps, self._downstream_lm,
+                                              self.run_dir, ctx.is_main)
         for line in self.precision.describe(backend, reason, ctx.device):
             log.info(line)
         log.info(f"device: {ctx.hardware.describe()}; {self.gemm.describe()}")
@@ -195,7 +198,8 @@ class Trainer:
                 "data": self.data.train.state_dict(), "wandb_id": self.wandb_id,
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "consumed_tokens": self.consumed_tokens,
-                "input_amax": self.precision.input_amax.state_dict()}
+                "input_amax": self.precision.input_amax.state_dict(),
+                "evaluation": self.downstream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -206,6 +210,7 @@ class Trainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if "input_amax" in state:  # checkpoints written before it existed start an empty window
             self.precision.input_amax.load_state_dict(state["input_amax"])
+        self.downstream.load_state_dict(state.get("evaluation"))
 
     @property
     def consumed_tokens(self) -> int:
@@ -345,6 +350,17 @@ class Trainer:
                                  forward_only=True, gemm=self.gemm)
         return self._all_reduce_mean(loss, parallel_state.get_data_parallel_group()).item()
 
+    def _downstream_lm(self):
+        """lm-eval's model over this trainer's model (training/lm_eval_model.py)."""
+        from .downstream import run_tokenizer
+        from .lm_eval_model import ProjectLM
+
+        return ProjectLM(self.model, run_tokenizer(self.cfg.data), self.ctx,
+                         hidden_size=self.cfg.model.hidden_size,
+                         max_length=self.cfg.trainer.seq_length,
+                         batch_size=self.cfg.evaluation.batch_size, gemm=self.gemm,
+                         before=self.precision.before_evaluation)
+
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
         cfg, tr = self.cfg, self.cfg.trainer
@@ -368,6 +384,7 @@ class Trainer:
             sink.event(0, "restart", set_aside=str(set_aside) if set_aside else None)
         if self.resumed_from is not None:  # the steps after it may be logged a second time
             sink.event(self.step, "resume", checkpoint=self.resumed_from.name)
+        self.downstream.resume_pending(self.ctx, sink)  # an evaluation a kill interrupted
         if self.step >= tr.max_steps:
             log.info(f"run already complete ({self.step}/{tr.max_steps} steps)")
         start_step, t_start = self.step, time.perf_counter()
@@ -398,11 +415,16 @@ class Trainer:
                     log.info(data_line(metrics))
                 sink.log(self.step, metrics)
                 stop = self.stop.agreed(self.ctx)
-                if stop or self.step % tr.save_every == 0 or self.step == tr.max_steps:
+                evaluate = self.downstream.due(self.step)  # its step's checkpoint comes first
+                if (stop or evaluate or self.step % tr.save_every == 0
+                        or self.step == tr.max_steps):
                     self.save()
                     # a signal that came during this save: stop now, not after another step
                     # and a second checkpoint (the grace period is short at scale)
                     stop = stop or (self.step < tr.max_steps and self.stop.agreed(self.ctx))
+                if evaluate and not stop:  # preempted: the checkpoint holds it as pending
+                    self.downstream.run(self.step, sink)
+                    stop = self.stop.agreed(self.ctx)
                 if stop:
                     sink.event(self.step, "preempted", signal=self.stop.name or "peer")
                     return ExitCode.PREEMPTED
@@ -566,6 +588,15 @@ def run(cfg) -> int:
         refusal = preflight.refusal()  # also: an override matching nothing
         if refusal:
             raise ValueError(refusal)
+        if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
+            from .downstream import TaskUnavailable, UnknownTask, prepare_tasks
+
+            try:
+                prepare_tasks(list(cfg.evaluation.tasks))
+            except UnknownTask as exc:
+                raise TrainingError(str(exc), ExitCode.CONFIG) from None
+            except TaskUnavailable as exc:
+                raise TrainingError(str(exc), ExitCode.MISSING_DATA) from None
         run_dir = prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
         return Trainer(cfg, ctx, stop, preflight).fit()

@@ -1,0 +1,125 @@
+"""Downstream evaluation: offline refusal, the in-loop evaluation and its resume, and
+`python -m training.evaluate` on a trained demo checkpoint (training/downstream.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from train_helpers import FAST, REPO, run_train
+from training.metrics import read_metrics
+
+pytest.importorskip("lm_eval")
+
+TINY = ["model.hidden_size=64", "model.ffn_hidden_size=128"]
+
+NETWORK_TASK = """task: needs_the_hub
+dataset_path: nvfp4-tests/not-a-cached-dataset
+dataset_name: main
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{q}}"
+doc_to_choice: "{{c}}"
+doc_to_target: 0
+"""
+
+
+def evaluate_cli(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "training.evaluate", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_a_network_task_is_refused_with_one_line_and_nothing_written(tmp_path):
+    yaml = tmp_path / "needs_the_hub.yaml"
+    yaml.write_text(NETWORK_TASK)
+    out = tmp_path / "results.json"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "ds")}
+    proc = evaluate_cli(tmp_path / "no-run", "--tasks", yaml, "--output", out, env=env)
+    assert proc.returncode == 3, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert "'needs_the_hub'" in lines[0] and "nvfp4-tests/not-a-cached-dataset" in lines[0]
+    assert not out.exists() and not (tmp_path / "no-run").exists()
+
+
+def test_an_unknown_task_is_exit_2_naming_it(tmp_path):
+    proc = evaluate_cli(tmp_path, "--tasks", "demo_no_such_task")
+    assert proc.returncode == 2
+    assert "'demo_no_such_task'" in proc.stderr.splitlines()[-1]
+
+
+def test_flat_metrics_name_task_metric_and_stderr():
+    from training.downstream import flat_metrics
+
+    results = {"results": {"demo_arith_choice": {"alias": "demo_arith_choice", "acc,none": 0.5,
+                                                 "acc_stderr,none": 0.25,
+                                                 "bits_per_byte_stderr,none": "N/A"},
+                           "gsm8k": {"exact_match,strict-match": 0.1}}}
+    assert flat_metrics(results) == {"eval/demo_arith_choice/acc": 0.5,
+                                     "eval/demo_arith_choice/acc_stderr": 0.25,
+                                     "eval/gsm8k/exact_match/strict-match": 0.1}
+
+
+# train.py, killed (SIGKILL to its whole process group: its session, started by the test) as the
+# evaluation after step KILL_AT begins.
+KILL_DURING_EVAL = """
+import os, runpy, signal, sys
+sys.path.insert(0, {repo!r})
+import training.downstream as downstream
+
+real_run = downstream.DownstreamEvaluator.run
+
+def run(self, step, sink):
+    if step == int(os.environ.get("KILL_AT", "0")):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    return real_run(self, step, sink)
+
+downstream.DownstreamEvaluator.run = run
+sys.argv = [{train!r}, *sys.argv[1:]]
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_in_loop_evaluation_killed_resumes_once_and_matches_the_cli(tmp_path, data_cache):
+    script = tmp_path / "kill_during_eval.py"
+    script.write_text(KILL_DURING_EVAL.format(repo=str(REPO), train=str(REPO / "train.py")))
+    run_dir = tmp_path / "run"
+    args = [*FAST, *TINY, "trainer.max_steps=4", "trainer.save_every=100",
+            "trainer.eval_every=100", "evaluation.tasks=[demo_arith_choice]",
+            "evaluation.every=2", "evaluation.limit=4", "evaluation.batch_size=4"]
+    env = {**os.environ, "NVFP4_CACHE": str(data_cache), "PYTHONUNBUFFERED": "1",
+           "KILL_AT": "2"}
+    killed = subprocess.Popen([sys.executable, str(script), f"run.dir={run_dir}", *args],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    assert killed.wait(timeout=600) == -9
+    # The evaluation's step was checkpointed first, with the evaluation pending in it.
+    assert (run_dir / "checkpoints" / "step_0000002").is_dir()
+    resumed = run_train(run_dir, *args, cache_dir=data_cache, script=script)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    records = read_metrics(run_dir, kind="step")
+    trained = [r["step"] for r in records if "loss" in r]
+    evaluated = [r["step"] for r in records if "eval/demo_arith_choice/acc" in r]
+    assert trained == [1, 2, 3, 4]  # no step trained twice, none lost
+    assert evaluated == [2, 4]
+    last = next(r for r in records if r["step"] == 4 and "eval/demo_arith_choice/acc" in r)
+    assert "eval/demo_arith_choice/acc_stderr" in last and last["eval/seconds"] > 0
+
+    # The shipped task on the finished run's checkpoint, from the command line: the same
+    # model and requests as the in-loop evaluation after step 4, so the same scores.
+    out = tmp_path / "results.json"
+    proc = evaluate_cli(run_dir, "--tasks", "demo_arith_choice", "--limit", 4, "--output", out,
+                        env={"NVFP4_CACHE": str(data_cache)})
+    assert proc.returncode == 0, proc.stderr
+    assert "demo_arith_choice" in proc.stdout and "|acc" in proc.stdout.replace(" ", "")
+    result = json.loads(out.read_text())
+    assert result["step"] == 4
+    assert result["metrics"]["eval/demo_arith_choice/acc"] == last["eval/demo_arith_choice/acc"]
+    assert result["metrics"]["eval/demo_arith_choice/acc_norm"] == pytest.approx(
+        last["eval/demo_arith_choice/acc_norm"])
