@@ -45,6 +45,19 @@ dataset_kwargs:
 test_split: test
 """
 
+# The two choice tasks score alike: the choices' log-likelihoods, plain and length-normalised.
+MULTIPLE_CHOICE = """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
 YAMLS = {
     "demo_arith": """output_type: generate_until
 doc_to_text: "{{question}}"
@@ -59,30 +72,8 @@ metric_list:
     higher_is_better: true
     regexes_to_ignore: ["\\\\s"]
 """,
-    "demo_arith_choice": """output_type: multiple_choice
-doc_to_text: "{{question}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{answer}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-""",
-    "demo_next_word": """output_type: multiple_choice
-doc_to_text: "{{question}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{answer}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-""",
+    "demo_arith_choice": MULTIPLE_CHOICE,
+    "demo_next_word": MULTIPLE_CHOICE,
     "demo_worksheet": """output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{text}}"
