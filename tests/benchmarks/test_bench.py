@@ -146,13 +146,15 @@ def test_gpu_check_cpu_quick_mode_writes_its_folder(tmp_path, data_cache):
         assert (out / name).exists(), name
     # one row per part, in order, each with its status
     rows = re.findall(r"^\| (\w+) \| (.+) \| \d+ s \|$", summary, flags=re.M)
-    assert [name for name, _ in rows] == ["deps", "cuda_tests", "ssd_triton", "demo_bf16", "demo_nvfp4", "bench"]
+    assert [name for name, _ in rows] == ["deps", "cuda_tests", "gpu_path", "ssd_triton", "demo_bf16",
+                                          "demo_nvfp4", "bench"]
     status = dict(rows)
     assert status["deps"] == "ok" and "- ok megatron-core" in summary
     if not torch.cuda.is_available():
         assert "NO CUDA DEVICE" in proc.stdout and "No CUDA device was visible" in summary
         # skipped with the reason, not passed and not failed
         assert status["cuda_tests"] == "skipped: needs a CUDA device (none visible to torch)"
+        assert status["gpu_path"].startswith("skipped:")
         assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
     for part in ("demo_bf16", "demo_nvfp4", "bench"):
         assert status[part] == "ok", (part, status[part])
