@@ -2,6 +2,8 @@
 
 - config: `ModelConfig`, the Hydra group `model/` (its pattern: `M` Mamba-2, `*` attention,
   `-` MLP).
+- device: the one device decision (`Hardware`: the run's device, its CUDA capability, the CPU's
+  ISA, whether BF16 GEMMs are native), read by every device-dependent choice.
 - build: the model from its config and the precision policy; backend: which layer spec and GEMM
   backend a run uses, and why.
 - specs, stack: one layer spec per pattern layer (portable or Transformer Engine) and the stack
