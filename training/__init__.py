@@ -7,7 +7,10 @@
   run_dir (one trainer per run directory).
 - plan (the dry run: memory, FLOPs and time per rank), preflight (every low-precision GEMM checked
   against its backend's rules, at start-up and in the dry run).
-- hf_export (`python -m training.hf_export`: a run to a transformers directory).
+- hf_export (`python -m training.hf_export`: a run to a transformers directory, BF16 or NVFP4),
+  init_from (`model.init_from` of a run directory: its newest checkpoint's weights).
+- downstream (evaluations in the loop), lm_eval_model (lm-eval's `LM` over the project's model),
+  evaluate (`python -m training.evaluate`: lm-eval tasks on any checkpoint).
 """
 
 import warnings
