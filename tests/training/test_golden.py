@@ -63,10 +63,8 @@ def test_golden_losses(precision, golden_runs):
 def test_golden_losses_with_fp32_gemms_as_on_a_cpu_without_bf16(precision, golden_runs):
     """Issue 25: a CPU without BF16 instructions multiplies the BF16 values in FP32. That changes
     only the order of each GEMM's FP32 accumulation, as another build's kernels do, so the losses
-    stay within the file's tolerance for other builds (measured on an AMD EPYC (AVX512-BF16), with
-    the golden files before attention moved to BF16 (issue 26), which moved them by <= 3.6e-3: max
-    |diff| 8.4e-4 bf16, 2.3e-3 nvfp4 with FP32 GEMMs; 7.2e-4 / 2.3e-3 with the AVX2 reproduction
-    of docs/performance.md, AVX2 kernels included; against 2e-3 / 2e-2)."""
+    stay within the file's tolerance for other builds (measured on an AMD EPYC (AVX512-BF16)
+    against the current golden files: max |diff| 5.4e-4 bf16, 3.1e-3 nvfp4; against 2e-3 / 2e-2)."""
     if GEMM_HERE != "bf16":
         pytest.skip("this CPU's GEMMs are FP32 already: test_golden_losses compares that path")
     check_golden(precision, "fp32", golden_runs)
