@@ -47,6 +47,15 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, cache_dir: Path | 
                           timeout=timeout)
 
 
+def patched_train_script(path: Path, patch: str) -> Path:
+    """A wrapper script for run_train(script=...): `patch` (Python source: a fault or a stated
+    machine, applied to the project's modules) runs first, then train.py with the given arguments."""
+    path.write_text(f"import runpy, sys\nsys.path.insert(0, {str(REPO)!r})\n{patch}\n"
+                    f"sys.argv = [{str(REPO / 'train.py')!r}, *sys.argv[1:]]\n"
+                    f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return path
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of the last record for that step (a resumed run re-logs its steps)."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}

@@ -7,13 +7,12 @@ import ast
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from model.device import Hardware, probe_hardware
-from tests.train_helpers import FAST, REPO, run_train, step_losses
+from tests.train_helpers import FAST, REPO, patched_train_script, run_train, step_losses
 
 ZEN3 = Hardware(device_type="cpu", cuda_capability=None, cpu_isa="AVX2", bf16_gemms_native=False)
 ZEN4 = Hardware(device_type="cpu", cuda_capability=None, cpu_isa="AVX512", bf16_gemms_native=True)
@@ -90,15 +89,10 @@ def test_a_gloo_run_on_a_host_that_has_a_gpu_trains_and_checkpoints_on_the_cpu(t
     patches, the backend, the Mamba kernels, the checkpoint's RNG state, the GEMM policy) would
     take its CUDA branch and crash this run. (The AST test above keeps torch.cuda.is_available()
     itself out of the project.)"""
-    wrapper = tmp_path / "train_beside_a_gpu.py"
-    wrapper.write_text(textwrap.dedent(f"""
-        import runpy, sys
-        sys.path.insert(0, {str(REPO)!r})
-        import model.device
-        model.device.cuda_present = lambda: True  # the host has a GPU; this run does not use it
-        sys.argv[0] = {str(REPO / "train.py")!r}
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    """))
+    wrapper = patched_train_script(
+        tmp_path / "train_beside_a_gpu.py",
+        "import model.device\n"
+        "model.device.cuda_present = lambda: True  # the host has a GPU; this run does not use it")
     run_dir = tmp_path / "run"
     res = run_train(run_dir, *FAST, "parallel.backend=gloo", "trainer.max_steps=2",
                     "trainer.save_every=2", "model.hidden_size=64", "model.ffn_hidden_size=128",

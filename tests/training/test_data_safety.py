@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import FAST, REPO, run_train
+from train_helpers import FAST, REPO, patched_train_script, run_train
 from training.metrics import METRICS_FILE, MetricsSink, read_metrics
 
 from training.checkpoint import (MANIFEST, _apply_retention, latest_valid_checkpoint,
@@ -465,9 +465,8 @@ def test_a_full_disk_during_a_checkpoint_exits_8_with_one_line(tmp_path, data_ca
     assert [r["step"] for r in read_metrics(run_dir, kind="step")] == [1, 2, 3, 4]
 
 
-SIGTERM_IN_SAVE = """\
-import os, runpy, signal, sys
-sys.path.insert(0, {repo!r})
+SIGTERM_IN_SAVE = """
+import os, signal
 import training.checkpoint as ckpt
 
 save = ckpt.save_checkpoint
@@ -480,15 +479,12 @@ def save_with_a_signal(root, step, *args, **kwargs):
 
 
 ckpt.save_checkpoint = save_with_a_signal
-sys.argv = [{train!r}, *sys.argv[1:]]
-runpy.run_path({train!r}, run_name="__main__")
 """
 
 
 @pytest.mark.slow
 def test_sigterm_during_a_checkpoint_save_exits_75_right_after_it(tmp_path, data_cache):
-    script = tmp_path / "sigterm_in_save.py"
-    script.write_text(SIGTERM_IN_SAVE.format(repo=str(REPO), train=str(REPO / "train.py")))
+    script = patched_train_script(tmp_path / "sigterm_in_save.py", SIGTERM_IN_SAVE)
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, *ARGS, "trainer.max_steps=6", cache_dir=data_cache, script=script)
     out = proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from train_helpers import FAST, REPO, run_train
+from train_helpers import FAST, REPO, patched_train_script, run_train
 from training.metrics import read_metrics
 
 pytest.importorskip("lm_eval")
@@ -68,8 +68,7 @@ def test_flat_metrics_name_task_metric_and_stderr():
 # train.py, killed (SIGKILL to its whole process group: its session, started by the test) as the
 # evaluation after step KILL_AT begins.
 KILL_DURING_EVAL = """
-import os, runpy, signal, sys
-sys.path.insert(0, {repo!r})
+import os, signal
 import training.downstream as downstream
 
 real_run = downstream.DownstreamEvaluator.run
@@ -80,15 +79,12 @@ def run(self, step, sink):
     return real_run(self, step, sink)
 
 downstream.DownstreamEvaluator.run = run
-sys.argv = [{train!r}, *sys.argv[1:]]
-runpy.run_path({train!r}, run_name="__main__")
 """
 
 
 @pytest.mark.slow
 def test_in_loop_evaluation_killed_resumes_once_and_matches_the_cli(tmp_path, data_cache):
-    script = tmp_path / "kill_during_eval.py"
-    script.write_text(KILL_DURING_EVAL.format(repo=str(REPO), train=str(REPO / "train.py")))
+    script = patched_train_script(tmp_path / "kill_during_eval.py", KILL_DURING_EVAL)
     run_dir = tmp_path / "run"
     args = [*FAST, *TINY, "trainer.max_steps=4", "trainer.save_every=100",
             "trainer.eval_every=100", "evaluation.tasks=[demo_arith_choice]",
