@@ -128,3 +128,16 @@ def train_config(model: str = "demo", precision=None, *, tensor: int = 1, pipeli
     if run_dir is not None:
         cfg.run.dir = str(run_dir)
     return cfg
+
+
+def unwritable_output(where: str, tmp_path: Path, name: str) -> Path:
+    """An output path no process can create, root included: under sysfs (`where="sysfs"`, where
+    mkdir is refused) or under a regular file ("under_a_file"). Skips where there is no sysfs."""
+    import pytest
+
+    if where == "sysfs":
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("no sysfs")
+        return Path("/sys/kernel") / name
+    (tmp_path / "a_file").write_text("not a directory")
+    return tmp_path / "a_file" / name

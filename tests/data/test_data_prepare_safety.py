@@ -14,6 +14,7 @@ import pytest
 
 import data.prepare as prep
 from data.indexed import open_indexed
+from tests.helpers import unwritable_output
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_LOCKED = 5  # data.prepare's "another data.prepare holds the prefix" (README, docs/data.md)
@@ -220,13 +221,7 @@ def test_a_damaged_gzip_input_is_one_line_naming_the_file_and_the_offset(
 @pytest.mark.parametrize("where", ["sysfs", "under_a_file"])
 def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, tiny_tokenizer,
                                                                  capsys, where):
-    if where == "sysfs":
-        if not Path("/sys/kernel").is_dir():
-            pytest.skip("no sysfs")
-        out = Path("/sys/kernel/nvfp4-data/web")  # sysfs: mkdir is refused, even to root
-    else:
-        (tmp_path / "a_file").write_text("not a directory")
-        out = tmp_path / "a_file" / "web"
+    out = unwritable_output(where, tmp_path, "nvfp4-data") / "web"
     corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
     before = files_under(tmp_path)
     assert prep.main(args([corpus], tiny_tokenizer, out)) == prep.EXIT_INPUT

@@ -22,6 +22,8 @@ from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from training import hf_export  # noqa: E402
 
+from tests.helpers import unwritable_output  # noqa: E402
+
 TINY = ModelConfig(pattern="M-*", hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, kv_channels=16, mamba_num_heads=8, mamba_head_dim=16,
                    mamba_state_dim=16, mamba_num_groups=2, mamba_chunk_size=16, vocab_size=300,
@@ -140,13 +142,7 @@ def test_a_max_shard_size_that_is_not_a_size_is_one_line_and_exit_2(run, tmp_pat
 
 @pytest.mark.parametrize("where", ["sysfs", "under_a_file"])
 def test_an_output_that_cannot_be_written_is_one_line_and_exit_8(run, tmp_path, capsys, where):
-    if where == "sysfs":
-        if not Path("/sys/kernel").is_dir():
-            pytest.skip("no sysfs")
-        out = Path("/sys/kernel/nvfp4-hf")  # sysfs: mkdir is refused, even to root
-    else:
-        (tmp_path / "a_file").write_text("not a directory")
-        out = tmp_path / "a_file" / "hf"
+    out = unwritable_output(where, tmp_path, "nvfp4-hf" if where == "sysfs" else "hf")
     before = files_under(tmp_path)
     assert hf_export.main([str(run), "--output", str(out)]) == 8
     assert f"--output {out} cannot be written" in one_error_line(capsys)
