@@ -1,14 +1,19 @@
 """The top-level packages form layers: each imports only the layers below it, so no import cycle
 can form among them.
 
-    compat, nvfp4_recipe, data      import none of the project's other packages
-    model                           <- compat, nvfp4_recipe
+    errors, compat, nvfp4_recipe    import none of the project's other packages
+    data                            <- errors
+    model                           <- errors, compat, nvfp4_recipe
     training                        <- model, data, compat, nvfp4_recipe
     launch, benchmarks              <- training and everything below it
     studies                         <- benchmarks and everything below it
 
 Every import statement of every module counts, also those inside functions: a deferred import
 still makes the importing package depend on the imported one.
+
+`errors` (the exit codes) sits under every package but `nvfp4_recipe` and `compat`: the recipe
+ships alone in the wheel, and its refusals are plain ValueErrors that the config layer turns
+into `errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+_FLOOR = {"errors", "compat", "nvfp4_recipe"}
 BELOW = {
+    "errors": set(),
     "compat": set(),
     "nvfp4_recipe": set(),
-    "data": set(),
-    "model": {"compat", "nvfp4_recipe"},
-    "training": {"model", "data", "compat", "nvfp4_recipe"},
-    "launch": {"training", "model", "data", "compat", "nvfp4_recipe"},
-    "benchmarks": {"training", "model", "data", "compat", "nvfp4_recipe"},
-    "studies": {"benchmarks", "training", "model", "data", "compat", "nvfp4_recipe"},
+    "data": {"errors"},
+    "model": _FLOOR,
+    "training": _FLOOR | {"model", "data"},
+    "launch": _FLOOR | {"training", "model", "data"},
+    "benchmarks": _FLOOR | {"training", "model", "data"},
+    "studies": _FLOOR | {"benchmarks", "training", "model", "data"},
 }
 # Modules allowed to reach up a layer, with the reason; none today (the Hugging Face export, which
 # reads a run's checkpoint, lives in training/hf_export.py, model/hf.py only maps the weights).
