@@ -2,8 +2,8 @@
 
 A top-level module below model/, training/ and benchmarks/, which all use it; it imports
 nothing of this project. Where a whole megatron component assumes CUDA, its CPU twin lives beside
-its user instead: model/attention.py (core attention), training/mixed_precision.py (DDP and
-optimizer), training/pipeline.py (the schedules).
+its user instead: model/attention.py (core attention), training/ddp_optimizer.py (DDP and
+optimizer), training/schedules.py (the schedules).
 
 One module, each item named (see tests/test_compat.py, which fails if upstream changes):
 1. `hybrid_model_class`: `MambaModel` (<= 0.17) became `HybridModel` (>= 0.18: first tagged in
@@ -237,7 +237,7 @@ def cpu_fully_parallel_load(cuda: bool):
         fully_parallel.exchange_by_distribution, torch.cuda.synchronize = saved
 
 
-# The kernels the portable Mamba mixer and launch/ssd_check.py take from mamba_ssm: name -> module.
+# The kernels the portable Mamba mixer and model/ssd_check.py take from mamba_ssm: name -> module.
 MAMBA_TRITON_KERNELS = {
     "mamba_chunk_scan_combined": "mamba_ssm.ops.triton.ssd_combined",
     "rmsnorm_fn": "mamba_ssm.ops.triton.layernorm_gated",

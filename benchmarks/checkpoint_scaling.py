@@ -68,7 +68,7 @@ def main() -> None:
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training import checkpoint as ckpt
-    from training import mixed_precision as mp
+    from training import ddp_optimizer as mp
     from training.config import TrainerConfig
     from training.distributed import init_distributed, shutdown
 

@@ -5,8 +5,8 @@ docs/benchmarks/memory-plan.md).
 Trains the demo-shaped model a few optimizer steps on random tokens on CPU, built and stepped as
 the trainer does, in a fresh process per setting with glibc's allocator made to return freed
 buffers (MALLOC_ENV), and compares the process's RSS with the dry run's plan of the same
-configuration (training/plan.py, model/memory.py): static memory, peak, activations, and what
-autograd saves per layer kind against model/memory.py's per-layer count.
+configuration (training/plan.py, model/memory_model.py): static memory, peak, activations, and what
+autograd saves per layer kind against model/memory_model.py's per-layer count.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from model.memory import BYTES_ACTIVATION, GIB, activation_elements_per_token, stage_activation_bytes
+from model.memory_model import BYTES_ACTIVATION, GIB, activation_elements_per_token, stage_activation_bytes
 from training.plan import PlanConfig, build_plan, recompute_config_of
 
 from .machine import load_average, machine_summary
@@ -95,7 +95,7 @@ def measure_config(*, steps: int = 2, micro_batches: int = 2, micro_batch_size: 
 def _build_like_trainer(cfg, vocab: int, ctx):
     """Model, data-parallel wrapper and optimizer as training/trainer.py builds them."""
     from model.build import build_model
-    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
 
     built = build_model(cfg.model, cfg.precision, vocab_size=vocab, backend="emulated",
                         params_dtype=PARAMS_DTYPE, recompute=recompute_config_of(cfg.trainer))
@@ -107,7 +107,7 @@ def _train(cfg, vocab: int, ctx, steps: int, micro_batches: int):
     """`steps` optimizer steps on random tokens, as Trainer.train_step runs them."""
     import torch
 
-    from training.pipeline import run_micro_batches
+    from training.schedules import run_micro_batches
 
     tr = cfg.trainer
     model, optimizer = _build_like_trainer(cfg, vocab, ctx)

@@ -70,7 +70,7 @@ def _demo_setup(variant: str, ctx, hidden_size: int | None):
     from model.recompute import RecomputeConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
-    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
 
     torch.manual_seed(0)
     cfg = demo_model_config(hidden_size)
@@ -102,7 +102,7 @@ class _TalliedGemms:
 
 def _step(core, model, optimizer, batches, hidden, ctx, gemm) -> None:
     from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
-    from training.pipeline import run_micro_batches
+    from training.schedules import run_micro_batches
 
     model.zero_grad_buffer()
     optimizer.zero_grad()

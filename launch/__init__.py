@@ -4,6 +4,7 @@
   node of a Slurm job, preemption-safe (checkpoint, exit 75, requeue). See docs/cluster.md.
 - prepare.sbatch: the tokenizing array job, one `python -m data.prepare --shard I/N` per task.
 - gpu_check.sh (`make gpu-check`): the one prepared GPU check (CUDA tests, the Triton SSD check,
-  demo runs, the hardware bench) -> runs/gpu_check/; ssd_check.py (`python -m launch.ssd_check`)
-  is its Triton SSD part.
+  demo runs, the hardware bench) -> runs/gpu_check/; gpu_path_check.py
+  (`python -m launch.gpu_path_check`) is its GPU-path part; its Triton SSD part is a numerics
+  check of the model's scan, model/ssd_check.py.
 """

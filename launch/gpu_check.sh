@@ -17,7 +17,7 @@
 #               step by line, which SDPA kernel the portable attention gets (and its time against the
 #               old FP32 form), which Mamba scan runs, megatron's grad-norm fallback against
 #               torch._foreach_norm
-#   ssd_triton  mamba_ssm's Triton SSD scan vs the mixer's PyTorch scan, fwd+bwd (launch/ssd_check.py)
+#   ssd_triton  mamba_ssm's Triton SSD scan vs the mixer's PyTorch scan, fwd+bwd (model/ssd_check.py)
 #   demo_bf16   DEMO_STEPS (GPU 30) steps of the demo: BF16 weights, megatron's DDP and distributed
 #               optimizer (DP=1), megatron's schedule (on CUDA), full activation recompute
 #   demo_nvfp4  the same with emulated NVFP4 GEMMs
@@ -259,7 +259,7 @@ deps() {
         missing=$(awk '$1 == "missing" {print $2}' <<< "$plan" | paste -sd ' ')
         [ -n "$missing" ] && [ "$status" = ok ] && status="FAILED (missing: $missing)"
     fi
-    # What imports now (mamba_ssm only informs: launch/ssd_check.py decides what its part can do).
+    # What imports now (mamba_ssm only informs: model/ssd_check.py decides what its part can do).
     "$PYTHON" - "$SITE" > "$OUT/deps_imports.txt" 2>> "$OUT/deps.log" <<'EOF'
 import importlib, importlib.metadata as md, os, sys, warnings
 warnings.simplefilter("ignore")  # megatron warns about the absent TE/Apex; not our question here
@@ -318,7 +318,7 @@ else
     BENCH_ARGS=(--quick); DEMO_STEPS=${DEMO_STEPS:-4}; DEMO_SHAPE=(trainer.seq_length=128 trainer.global_batch_size=4 trainer.micro_batch_size=2)
 fi
 # BF16 weights with FP32 main grads, megatron's DDP + distributed optimizer (DP=1 here) and, on
-# CUDA, megatron's forward-backward schedule (training/mixed_precision.py, training/pipeline.py),
+# CUDA, megatron's forward-backward schedule (training/ddp_optimizer.py, training/schedules.py),
 # full recompute of every layer.
 DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval_every=1000000
              trainer.save_every=1000000 trainer.eval_batches=1 logger.mode=disabled run.resume=never
@@ -329,7 +329,7 @@ DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval
 JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$LIMIT_TESTS" "$PYTHON" -m pytest -q -rs tests/nvfp4_recipe/test_cuda_numerics.py \
     -k "not triton_ssd" --junitxml="$OUT/cuda_tests.xml" -p no:cacheprovider
 part gpu_path "$LIMIT_GPU_PATH" "$PYTHON" -m launch.gpu_path_check --json "$OUT/gpu_path.json"
-part ssd_triton "$LIMIT_SSD" "$PYTHON" -m launch.ssd_check --json "$OUT/ssd_triton.json"
+part ssd_triton "$LIMIT_SSD" "$PYTHON" -m model.ssd_check --json "$OUT/ssd_triton.json"
 part demo_bf16 "$LIMIT_DEMO_BF16" "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"
 part demo_nvfp4 "$LIMIT_DEMO_NVFP4" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \
     run.dir="$OUT/demo_nvfp4" "${DEMO_COMMON[@]}"

@@ -6,10 +6,10 @@ Exit status: 0 when every section passed, 1 when one failed, 77 skipped without 
 printed last). Each section prints one verdict line and adds its numbers to the JSON (issue 26):
 
 - sync (item 1): the demo model, emulated NVFP4 (compiled quantizers), megatron's DDP, optimizer
-  and schedule (training/mixed_precision.py, training/pipeline.py), two warm-up steps, then one
+  and schedule (training/ddp_optimizer.py, training/schedules.py), two warm-up steps, then one
   step with diagnostics on under `torch.cuda.set_sync_debug_mode("warn")`. Every synchronizing
   call is counted by the Python line that made it. FAILS if one comes from this project's per
-  micro-batch code (nvfp4_recipe/, model/, training/pipeline.py); the rest (megatron's schedule
+  micro-batch code (nvfp4_recipe/, model/, training/schedules.py); the rest (megatron's schedule
   and optimizer, the controller's one read of the diagnostics) are listed with their counts.
   Then the emulated linear alone, forward and backward, under mode "error": it must not raise.
 - sdpa (item 2): the portable attention (model/attention.py) in BF16 with grouped heads at seq
@@ -40,7 +40,7 @@ from model.device import cuda_present
 SKIP_EXIT = 77
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("sync", "sdpa", "scan", "grad_norm")
-OURS_PER_MICRO_BATCH = ("nvfp4_recipe/", "model/", "training/pipeline.py")
+OURS_PER_MICRO_BATCH = ("nvfp4_recipe/", "model/", "training/schedules.py")
 
 
 def _where(filename: str) -> str:
@@ -90,8 +90,8 @@ def check_sync(out: dict) -> bool:
     from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
     from training.distributed import init_distributed
-    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model, uses_megatron_ddp
-    from training.pipeline import run_micro_batches
+    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model, uses_megatron_ddp
+    from training.schedules import run_micro_batches
 
     from compat import seed_model_parallel_rng
 

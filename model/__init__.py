@@ -9,8 +9,9 @@
 - specs, stack: one layer spec per pattern layer (portable or Transformer Engine) and the stack
   that takes them; attention, mamba_mixer, ssd: the portable spec's SDPA core attention, PyTorch
   Mamba-2 mixer and chunked SSD scan; te_mamba_mixer: megatron's mixer for the TE spec;
-  recompute: activation recompute.
-- memory, flops: parameters and activation memory, and FLOPs per token (the dry-run planner,
+  recompute: activation recompute; ssd_check: the GPU check's comparison of mamba_ssm's
+  Triton scan against ssd (`python -m model.ssd_check`).
+- memory_model, flops: parameters and activation memory, and FLOPs per token (the dry-run planner,
   training/plan.py, and the benches use them).
 - hf: the config and weights mapped to and from transformers' NemotronH (the export command is
   training/hf_export.py).

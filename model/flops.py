@@ -1,5 +1,5 @@
 """Model FLOPs per token of a training step: the one count the planner (training/plan.py, run time)
-and the hardware bench (benchmarks/hardware.py, MFU) share; model/memory.py counts the memory.
+and the hardware bench (benchmarks/hardware.py, MFU) share; model/memory_model.py counts the memory.
 
 fwd + bwd = 3 x forward for every term (the backward of a GEMM is two GEMMs of the same size).
 With m = a ModelConfig, s = sequence length, V = the padded vocabulary:

@@ -2,7 +2,7 @@
 rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas; the
 format registry (registry.py: each format's config, emulated ops, TE recipe, device rules) and
 the precision policy (policy.py: the `precision` config and each linear's format). Also the
-rules of the GEMM preflight (preflight.py: which shapes each backend takes; training/preflight.py
+rules of the GEMM preflight (gemm_support.py: which shapes each backend takes; training/preflight.py
 applies them), the fused kernels (kernels.py), quantization diagnostics (diagnostics.py), the
 GEMM compute policy (compute.py: BF16 GEMMs in FP32 where a CPU has no BF16 instructions) and the
 per-part step timers (parts.py).

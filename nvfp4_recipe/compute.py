@@ -114,7 +114,7 @@ def tf32_matmuls() -> bool:
     flag) would round their inputs to TF32; the start-up line says so. The flag is read, never
     set: torch >= 2.9 raises at every FP32 cuBLAS call once the legacy and the new TF32 APIs
     disagree, so toggling it around our GEMMs could break a user's settings. (Triton's `tl.dot`,
-    e.g. mamba_ssm's SSD scan, uses TF32 regardless: launch/ssd_check.py.)"""
+    e.g. mamba_ssm's SSD scan, uses TF32 regardless: model/ssd_check.py.)"""
     try:
         new = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9
         if new in ("tf32",):

@@ -533,7 +533,7 @@ def gemm_configs(modules: dict[str, torch.nn.Module], configs: dict[str, object]
 def loss_and_grad(trainer, batch: dict, seed: int) -> tuple[float, torch.Tensor]:
     """One micro-batch's loss and every parameter's gradient (FP32 main grads), SR drawn from
     `seed` (the trainer's global stream is restored afterwards)."""
-    from training.pipeline import run_micro_batches
+    from training.schedules import run_micro_batches
 
     state = torch.get_rng_state()
     torch.manual_seed(seed)

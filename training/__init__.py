@@ -1,8 +1,8 @@
 """The training loop and its parts; the dry-run planner, the GEMM preflight, the HF export.
 
-- trainer (the loop, `train.py`'s `run`), config (the Hydra schema and `validate`), pipeline
-  (forward and backward over a step's micro-batches), mixed_precision (BF16 weights, FP32 grads and
-  master weights, data parallelism), optim (the WSD schedule), distributed, grad_health, metrics.
+- trainer (the loop, `train.py`'s `run`), config (the Hydra schema and `validate`), schedules
+  (forward and backward over a step's micro-batches), ddp_optimizer (BF16 weights, FP32 grads and
+  master weights, data parallelism), lr_schedule (the WSD schedule), distributed, grad_health, metrics.
 - checkpoint, safe_load (atomic, verified checkpoints, loaded without running code from them),
   run_dir (one trainer per run directory).
 - plan (the dry run: memory, FLOPs and time per rank), preflight (every low-precision GEMM checked

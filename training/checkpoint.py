@@ -128,7 +128,7 @@ def _broadcast_str(value: str, ctx: ParallelContext) -> str:
 
 
 # megatron's two optimizer-state layouts (`distrib_optimizer.py:1175-1293`, core 0.16.1;
-# 'distrib_optim_sharding_type'), the CPU twin writes both (training/mixed_precision.py):
+# 'distrib_optim_sharding_type'), the CPU twin writes both (training/ddp_optimizer.py):
 # - fully_reshardable: per parameter, model space. On save every data-parallel shard of the FP32
 #   master weights and both moments is gathered into every rank's memory
 #   (`sharded_param_state_fully_reshardable` -> `get_parameter_state_dp_zero(return_on_all_ranks)`,
@@ -577,7 +577,7 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .mixed_precision import uses_megatron_ddp
+    from .ddp_optimizer import uses_megatron_ddp
     from .safe_load import load_dist_checkpoint, vet_extra_state
 
     manifest = json.loads((path / MANIFEST).read_text())

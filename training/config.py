@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig, validate_config
 from model.config import ModelConfig
-from model.memory import pipeline_stages
+from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers, validate_precision
 

@@ -81,7 +81,7 @@ def load_model(run_dir: Path, step: Optional[int], ctx):
     from model.hf import HFError, load_full_tensors
 
     from .hf_export import pick_checkpoint, read_checkpoint_weights, read_run
-    from .mixed_precision import PARAMS_DTYPE
+    from .ddp_optimizer import PARAMS_DTYPE
 
     try:
         files = read_run(run_dir)

@@ -167,7 +167,7 @@ class GradHealth:
 def _owned_ranges(model, optimizer) -> Optional[dict[int, tuple[int, int]]]:
     """With the distributed optimizer over several data-parallel ranks: {id(param): the range of
     its flattened gradient this rank holds reduced}; None when every rank holds all of it."""
-    from .mixed_precision import BufferedDataParallel
+    from .ddp_optimizer import BufferedDataParallel
 
     if isinstance(model, BufferedDataParallel):  # the CPU twin
         if not (model.use_distributed_optimizer and model.dp_size > 1):

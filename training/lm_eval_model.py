@@ -3,7 +3,7 @@
 `ProjectLM` answers lm-eval's three request types — `loglikelihood`, `loglikelihood_rolling` and
 `generate_until` (greedy) — with the run's tokenizer, in batches, through the same schedule
 `run_micro_batches` uses (megatron's forward-only schedule on CUDA, its CPU twin elsewhere,
-training/pipeline.py:run_schedule), so whatever precision, spec and TP/PP layout the model was
+training/schedules.py:run_schedule), so whatever precision, spec and TP/PP layout the model was
 built with is what gets scored. The forward step hands megatron's loss contract a loss function
 whose report carries, per token, the log-probability of the next token and whether it was the
 greedy choice; with several pipeline stages the last stage broadcasts them to every rank, and
@@ -24,7 +24,7 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from .distributed import ParallelContext
-from .pipeline import REPORT_KEY, run_schedule, to_device
+from .schedules import REPORT_KEY, run_schedule, to_device
 
 # Every batch is padded to a multiple of this many positions: NVFP4 quantizes whole 16-element
 # blocks, and one length per multiple keeps the number of distinct shapes small.

@@ -10,9 +10,9 @@ shapes checked against the rules of each backend the run may use, at parallel.te
 tensor 1/2/4/8; training/preflight.py, the same check the trainer runs at start-up).
 
 The memory model is the trainer's: megatron's `--bf16` mixed precision
-(training/mixed_precision.py), `trainer.distributed_optimizer`, `trainer.recompute*`
+(training/ddp_optimizer.py), `trainer.distributed_optimizer`, `trainer.recompute*`
 (model/recompute.py) and `parallel.sequence`. Parameters per rank and the activations one
-micro-batch keeps per layer are the model's accounting (model/memory.py, with its formulas);
+micro-batch keeps per layer are the model's accounting (model/memory_model.py, with its formulas);
 this module adds what the training set-up holds. P_rank = parameters per rank of a stage,
 d = data parallel, p = pipeline parallel; GiB = 2^30 bytes:
 
@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model.flops import flops_per_token_terms, gemm_weights
-from model.memory import (
+from model.memory_model import (
     BYTES_ACTIVATION,
     BYTES_EMULATED_WEIGHT_COPY,
     BYTES_LOGITS,

@@ -1,6 +1,6 @@
 """The preflight of a run: every low-precision GEMM of a TrainConfig at its local shape on one
 tensor-parallel rank, checked against the rules of each backend the run may use
-(nvfp4_recipe/preflight.py holds the rules, each citing its source) and, where TE runs, this
+(nvfp4_recipe/gemm_support.py holds the rules, each citing its source) and, where TE runs, this
 machine's GPU and TE release against the known-bad table. The trainer runs it at start-up
 (`run_preflight`: a "would fail" stops the run before anything is written, exit 2); the dry run
 (training/plan.py) writes every GEMM's result and the verdict at tensor 1/2/4/8 to plan.json.
@@ -30,7 +30,7 @@ def probe_device(cfg, activation_dtype: str = "bf16", hardware=None):
 
     from model.device import probe_hardware
     from nvfp4_recipe.policy import low_precision_formats
-    from nvfp4_recipe.preflight import DeviceSetting
+    from nvfp4_recipe.gemm_support import DeviceSetting
 
     hardware = hardware or probe_hardware()
     if not hardware.cuda:
@@ -50,12 +50,12 @@ def probe_device(cfg, activation_dtype: str = "bf16", hardware=None):
 
 
 def preflight(cfg, backends, device=None):
-    """The preflight Report of a TrainConfig (nvfp4_recipe/preflight.py): every low-precision
+    """The preflight Report of a TrainConfig (nvfp4_recipe/gemm_support.py): every low-precision
     GEMM at parallel.tensor, micro-batch x sequence rows, for each backend in `backends`; the
     same at each candidate tensor size (which layouts are clean); `device` against the known-bad
     table where TE is among the backends. Raises ValueError for a bad precision key (an override
     pattern that matches nothing)."""
-    from nvfp4_recipe.preflight import (CANDIDATE_TENSOR_SIZES, Linear, Report, Setting,
+    from nvfp4_recipe.gemm_support import (CANDIDATE_TENSOR_SIZES, Linear, Report, Setting,
                                         check_linears, known_bad_hits, layout_verdicts)
 
     from model.build import precision_policy

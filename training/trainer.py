@@ -29,11 +29,11 @@ from .distributed import ParallelContext, init_distributed, shutdown, stochastic
 from .grad_health import GradHealth
 from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line,
                       grad_health_line, render, setup_logging, start_wandb, status_line)
-from .mixed_precision import (PARAMS_DTYPE, build_data_parallel_model,
+from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model,
                               optimizer_checkpoint_format, optimizer_state_bytes,
                               uses_megatron_ddp)
-from .optim import WSDScheduler
-from .pipeline import run_micro_batches
+from .lr_schedule import WSDScheduler
+from .schedules import run_micro_batches
 from .preflight import run_preflight
 from .run_dir import (RunDirBusy, UnsafeFile, create_run_file, lock_run_dir, read_run_file,
                       release_run_dir, remove_stale_checkpoint_temporaries)

@@ -1,5 +1,5 @@
 """The pieces of the offline GPU check that can be proven on CPU: the Triton-SSD comparison's
-loader and its verdicts (launch/ssd_check.py), and the offline install of launch/gpu_check.sh.
+loader and its verdicts (model/ssd_check.py), and the offline install of launch/gpu_check.sh.
 The script's whole CPU mode runs in tests/benchmarks/test_bench.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ssd_check
+from model import ssd_check
 from model.ssd import ssd_chunk_scan
 
 REPO = Path(__file__).resolve().parents[2]

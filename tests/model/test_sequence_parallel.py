@@ -28,7 +28,7 @@ def _step(sequence_parallel: bool, finalize: bool):
     from training import pipeline
     from training.config import TrainerConfig
     from training.distributed import ParallelContext  # noqa: F401  (the ctx type)
-    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
+    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
 
     ctx = _step.ctx
     seed_model_parallel_rng(0, cuda=False)  # as the trainer does (on CPU: megatron's no-op RNG tracker)

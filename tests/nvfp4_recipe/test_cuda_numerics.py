@@ -5,9 +5,9 @@ amax. Stochastic rounding draws from a device-specific RNG, so CPU and CUDA draw
 comparable: on CUDA we check SR's own properties (only the two grid neighbours, unbiased on
 average, reproducible with a seeded CUDA generator). The emulated linear's quantized GEMM operands
 must be identical; its output may differ only by FP32 summation order. mamba_ssm's Triton SSD scan
-agrees with the PyTorch scan the mixer falls back to (launch/ssd_check.py: tolerances and why).
+agrees with the PyTorch scan the mixer falls back to (model/ssd_check.py: tolerances and why).
 Skipped without CUDA (the whole module); run on a GPU machine by launch/gpu_check.sh (the SSD
-tests there as their own part, `python -m launch.ssd_check`).
+tests there as their own part, `python -m model.ssd_check`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)"),
 ]
 
-from launch import ssd_check  # noqa: E402
+from model import ssd_check  # noqa: E402
 from nvfp4_recipe import NVFP4Config, nvfp4_linear, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from nvfp4_recipe.hadamard import random_hadamard_transform  # noqa: E402
 from nvfp4_recipe.nvfp4 import nvfp4_scaled_values  # noqa: E402

@@ -84,8 +84,8 @@ def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
-    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
-    from training.pipeline import run_micro_batches
+    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
+    from training.schedules import run_micro_batches
 
     calls = _count_weight_quantizations(monkeypatch)
     tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))

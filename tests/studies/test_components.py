@@ -40,8 +40,8 @@ def demo(parallel_context):
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
-    from training.mixed_precision import PARAMS_DTYPE, build_data_parallel_model
-    from training.pipeline import run_micro_batches
+    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
+    from training.schedules import run_micro_batches
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, pattern="M*-")

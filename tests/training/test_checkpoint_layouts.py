@@ -12,7 +12,7 @@ import torch
 
 from train_helpers import FAST, REPO, run_train, step_losses
 from training import checkpoint as ckpt
-from training import mixed_precision as mp
+from training import ddp_optimizer as mp
 
 SAME = {"tensor": 1, "pipeline": 1, "data": 8, "spec": "te"}
 

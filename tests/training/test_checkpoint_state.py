@@ -11,10 +11,10 @@ import torch
 from model.build import build_model
 from model.config import ModelConfig
 from nvfp4_recipe.policy import PrecisionConfig
-from training import mixed_precision as mp
+from training import ddp_optimizer as mp
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import TrainerConfig
-from training.optim import WSDScheduler
+from training.lr_schedule import WSDScheduler
 
 TRAINER = TrainerConfig(lr=1e-3, warmup_steps=2, max_steps=10, grad_clip=1.0)
 VOCAB = 256

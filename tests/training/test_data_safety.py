@@ -249,7 +249,7 @@ def _small_model(ctx):
     from model.build import build_model
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
-    from training import mixed_precision as mp
+    from training import ddp_optimizer as mp
     from training.config import TrainerConfig
 
     torch.manual_seed(0)

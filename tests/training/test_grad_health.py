@@ -139,7 +139,7 @@ def test_hooks_change_no_gradient(make_trainer):
     trainer.grad_health.remove()
     trainer.cfg.trainer.grad_health_every = 0
     trainer.step = 0
-    from training.pipeline import run_micro_batches
+    from training.schedules import run_micro_batches
 
     trainer.model.zero_grad_buffer()
     loss = run_micro_batches(trainer.model, batch, trainer.ctx, trainer.activation_shape)

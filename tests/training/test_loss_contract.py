@@ -13,7 +13,7 @@ import torch
 from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from training.pipeline import REPORT_KEY, loss_func, mean_micro_batch_loss
+from training.schedules import REPORT_KEY, loss_func, mean_micro_batch_loss
 from train_helpers import FAST, run_train
 from training.metrics import read_metrics
 

@@ -1,4 +1,4 @@
-"""The dry-run planner (training/plan.py, with model/memory.py and model/flops.py): layer
+"""The dry-run planner (training/plan.py, with model/memory_model.py and model/flops.py): layer
 precisions, parameter counts, the memory and FLOPs formulas, and plan.json; and the helpers of
 its CPU measurement (benchmarks/memory.py). Everything builds on the meta device: seconds even at 12B."""
 
@@ -19,7 +19,7 @@ for _p in (_ROOT, _TESTS):
 
 from helpers import REPO, model_config, train_config  # noqa: E402
 
-from model.memory import pipeline_stages  # noqa: E402
+from model.memory_model import pipeline_stages  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from training.plan import PlanConfig, build_plan, dry_run, plan_world_size  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_bf16_and_fp8_plans(parallel_context):
 
 
 def elements_12b(kind: str, t: int, sp: bool) -> float:
-    """Hand count of the BF16 activation elements per token one 12B layer keeps (model/memory.py):
+    """Hand count of the BF16 activation elements per token one 12B layer keeps (model/memory_model.py):
     the h-wide norm input and first-linear input are / t only with sequence parallelism."""
     h = 2 * H_12B / (t if sp else 1)
     inner = {"mamba": (2 * 10240 + 2 * 8 * 128 + 128) + (10240 + 2 * 8 * 128) + 10240 + 10240,
@@ -200,7 +200,7 @@ def test_12b_paper_layout_every_term(parallel_context):
 
 def test_recompute_accounting_by_hand():
     """Five layers of 10..50 bytes, an input of 1 byte: what each split keeps and its peak."""
-    from model.memory import stage_activation_bytes
+    from model.memory_model import stage_activation_bytes
     from model.recompute import RecomputeConfig
 
     layers = [10, 20, 30, 40, 50]

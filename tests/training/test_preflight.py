@@ -1,4 +1,4 @@
-"""The preflight (nvfp4_recipe/preflight.py, training/preflight.py): one test per shape rule and per
+"""The preflight (nvfp4_recipe/gemm_support.py, training/preflight.py): one test per shape rule and per
 known-bad entry, each against the source the rule cites; the 12B at tensor 1/2/4/8; the dry run's
 report and exit code; a run that would fail refuses to start before anything is written."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nvfp4_recipe.preflight import (KNOWN_BAD, RULES, DeviceSetting, Linear, Setting,
+from nvfp4_recipe.gemm_support import (KNOWN_BAD, RULES, DeviceSetting, Linear, Setting,
                                     check_linear, known_bad_hits)
 from nvfp4_recipe.policy import PrecisionConfig
 from helpers import train_config

@@ -1,6 +1,6 @@
 """The warmup-stable-decay learning-rate schedule.
 
-The optimizer itself (FP32 master weights of BF16 models) is built in `training.mixed_precision`,
+The optimizer itself (FP32 master weights of BF16 models) is built in `training.ddp_optimizer`,
 by the trainer and by the memory bench (benchmarks/memory.py).
 """
 

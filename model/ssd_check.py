@@ -1,6 +1,6 @@
 """mamba_ssm's Triton SSD scan against the PyTorch scan the Mamba mixer falls back to.
 
-`python -m launch.ssd_check [--json PATH] [--autotune]` runs the comparison on CUDA (part
+`python -m model.ssd_check [--json PATH] [--autotune]` runs the comparison on CUDA (part
 `ssd_triton` of launch/gpu_check.sh); tests/nvfp4_recipe/test_cuda_numerics.py asserts the same numbers.
 Exit status: 0 within tolerance, 1 beyond it (or an error), 77 skipped (the reason is printed).
 

@@ -13,7 +13,7 @@ import torch
 from model.build import build_model
 from model.config import ModelConfig
 from nvfp4_recipe.policy import PrecisionConfig
-from training import mixed_precision as mp
+from training import ddp_optimizer as mp
 from training.config import TrainerConfig
 
 
@@ -57,7 +57,7 @@ def test_every_gemm_receives_bf16_and_grads_accumulate_in_fp32(parallel_context)
 
 def test_twin_step_matches_adamw_on_fp32_master_weights(parallel_context):
     """Two micro-batches accumulated in FP32, clipped, AdamW on FP32 masters, BF16 copies back."""
-    from training.optim import WSDScheduler
+    from training.lr_schedule import WSDScheduler
 
     torch.manual_seed(1)
     inner = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.LayerNorm(48),

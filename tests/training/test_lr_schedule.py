@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from training.config import TrainerConfig
-from training.optim import WSDScheduler, wsd_lr_factor
+from training.lr_schedule import WSDScheduler, wsd_lr_factor
 
 
 def test_wsd_warmup_constant_then_linear_decay_to_min_lr():
