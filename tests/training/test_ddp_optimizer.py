@@ -137,32 +137,52 @@ def test_optimizer_bytes_halve_with_the_distributed_optimizer():
 
 def test_gpu_wiring_is_megatron_lm_bf16(monkeypatch):
     """On CUDA: megatron's DDP (FP32 grad reduce, overlapped) and get_megatron_optimizer (bf16,
-    FP32 master weights, distributed when asked), and the schedule hooks Megatron-LM sets."""
+    FP32 master weights, distributed when asked), and the schedule hooks Megatron-LM sets.
+
+    Both megatron objects need CUDA, so they are replaced by recorders; each recorded call is
+    bound to the installed megatron's real signature, so a renamed or missing argument fails
+    here as it would on a GPU, and the hooks must be attributes the real classes have."""
+    import inspect
+
     import megatron.core.distributed as mcd
     import megatron.core.optimizer as mco
 
-    made = {}
+    from model.build import transformer_config
 
-    class FakeDDP:
-        def __init__(self, config, ddp_config, module):
-            made["ddp"] = ddp_config
+    real_ddp, real_get_optimizer = mcd.DistributedDataParallel, mco.get_megatron_optimizer
+    calls = {}
+
+    class RecordedDDP:
+        def __init__(self, *args, **kwargs):
+            calls["ddp"] = inspect.signature(real_ddp).bind(*args, **kwargs).arguments
             self.no_sync, self.start_grad_sync = object(), object()
 
-    monkeypatch.setattr(mcd, "DistributedDataParallel", FakeDDP)
-    class FakeOptimizer:
-        def __init__(self, config, chunks):
-            made["opt"] = config
+    class RecordedOptimizer:
+        def __init__(self, *args, **kwargs):
+            calls["opt"] = inspect.signature(real_get_optimizer).bind(*args, **kwargs).arguments
             self.scale_loss = object()
 
-    monkeypatch.setattr(mco, "get_megatron_optimizer", FakeOptimizer)
-    config = type("Config", (), {})()
+    monkeypatch.setattr(mcd, "DistributedDataParallel", RecordedDDP)
+    monkeypatch.setattr(mco, "get_megatron_optimizer", RecordedOptimizer)
+    config = transformer_config(ModelConfig(vocab_size=256), initialize=False)
+    module = torch.nn.Linear(2, 2)
     model, optimizer = mp._megatron_ddp_and_optimizer(
-        object(), config, TrainerConfig(distributed_optimizer=True, grad_clip=0.5))
-    ddp, opt_config = made["ddp"], made["opt"]
+        module, config, TrainerConfig(distributed_optimizer=True, grad_clip=0.5))
+
+    ddp_call, opt_call = calls["ddp"], calls["opt"]
+    assert ddp_call["config"] is config and ddp_call["module"] is module
+    ddp = ddp_call["ddp_config"]
+    assert isinstance(ddp, mcd.DistributedDataParallelConfig)
     assert ddp.grad_reduce_in_fp32 and ddp.overlap_grad_reduce and ddp.use_distributed_optimizer
+    assert opt_call["model_chunks"] == [model]
+    opt_config = opt_call["config"]
+    assert isinstance(opt_config, mco.OptimizerConfig)
     assert opt_config.bf16 and opt_config.params_dtype == torch.bfloat16
     assert opt_config.use_distributed_optimizer and opt_config.clip_grad == 0.5
     assert opt_config.optimizer == "adam"
+    # The hooks the schedule calls, taken from attributes megatron's classes really have.
+    assert callable(real_ddp.no_sync) and callable(real_ddp.start_grad_sync)
+    assert callable(mco.MegatronOptimizer.scale_loss)
     assert config.no_sync_func is model.no_sync and config.grad_sync_func is model.start_grad_sync
     assert config.grad_scale_func is optimizer.scale_loss
     assert mp.uses_megatron_ddp(torch.device("cuda", 0))
