@@ -1,5 +1,6 @@
 """model/specs.py: the model config's Mamba chunk size and norm epsilon reach the layers built
-from both spec families (the TE one with megatron's TE modules faked: TE is absent on CPU)."""
+from both spec families (the TE one from megatron's real TE hybrid spec, its mixer's CUDA-only
+construction recorded and bound to megatron's signature: TE and mamba_ssm are absent on CPU)."""
 
 from __future__ import annotations
 
@@ -52,45 +53,64 @@ def test_mamba_pre_norm_called_as_newer_megatron_calls_it():
     assert TorchNorm(config, 64, eps=1e-6).eps == 1e-6  # an explicit eps wins
 
 
+# The one module between megatron's TE hybrid spec and a CPU: its inference-only Triton kernels
+# (mc 0.16.1 ssm/mamba_mixer.py:22-26 imports them; training never calls them).
+TRITON_INFERENCE_KERNELS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+
+
 @pytest.fixture
-def fake_megatron_te_modules(monkeypatch):
-    """megatron's TE hybrid stack spec and its (triton-importing) MambaMixer, faked."""
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    class MegatronMambaMixer:  # what the subclass needs of megatron's: config in, self.norm
-        def __init__(self, config, submodules=None, d_model=None, chunk_size=128, **kwargs):
-            self.chunk_size, self.submodules, self.rmsnorm = chunk_size, submodules, True
-            self.norm = types.SimpleNamespace(eps=1e-5)  # mc 0.16.1 ssm/mamba_mixer.py:357
-
-    mixer_submodules = types.SimpleNamespace(in_proj="TELayerNormColumnParallelLinear",
-                                             out_proj="TERowParallelLinear")
-    stack = types.SimpleNamespace(
-        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            mixer=ModuleSpec(module=MegatronMambaMixer, submodules=mixer_submodules),
-            mamba_bda="bda")),
-        attention_layer="TE attention layer", mlp_layer="TE MLP layer")
-    monkeypatch.setitem(sys.modules, "megatron.core.ssm.mamba_mixer", types.SimpleNamespace(
-        MambaMixer=MegatronMambaMixer))
-    monkeypatch.setitem(sys.modules, "megatron.core.models.mamba.mamba_layer_specs",
-                        types.SimpleNamespace(mamba_stack_spec=types.SimpleNamespace(
-                            submodules=stack)))
+def megatron_te_stack(monkeypatch):
+    """megatron's real TE hybrid stack spec and MambaMixer, imported on CPU with only the Triton
+    inference kernels stood in for; every module this import adds is dropped afterwards, so the
+    rest of the session sees megatron as it was."""
+    before = set(sys.modules)
+    monkeypatch.setitem(sys.modules, TRITON_INFERENCE_KERNELS, types.SimpleNamespace(
+        tensor_get_slice_after=None, tensor_masked_update=None, tensor_merge=None))
     monkeypatch.delitem(sys.modules, "model.te_mamba_mixer", raising=False)
-    yield mixer_submodules
-    sys.modules.pop("model.te_mamba_mixer", None)  # it subclassed the fake
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    yield mamba_stack_spec.submodules, MambaMixer
+    for name in set(sys.modules) - before:
+        sys.modules.pop(name, None)
 
 
-def test_te_mamba_layer_takes_chunk_size_and_gated_norm_eps(fake_megatron_te_modules):
+def test_te_mamba_layer_takes_chunk_size_and_gated_norm_eps(megatron_te_stack, monkeypatch,
+                                                           parallel_context):
+    """megatron's MambaLayer builds our mixer from te_layer_spec; the call reaching megatron's
+    MambaMixer binds to its real signature with our chunk size, and the gated norm ends with the
+    config's eps. megatron's mixer needs CUDA and mamba_ssm to construct, so its __init__ records
+    the call and builds only what megatron's builds with eps: `self.norm` (mamba_mixer.py:357)."""
+    import inspect
+
+    from megatron.core.ssm.mamba_layer import MambaLayer
+
     from model.specs import te_layer_spec
+    from model.te_mamba_mixer import MambaMixerWithConfigEps
 
+    stack, megatron_mixer = megatron_te_stack
+    signature = inspect.signature(megatron_mixer.__init__)
+    calls = []
+
+    def megatron_init(self, *args, **kwargs):
+        calls.append(signature.bind(self, *args, **kwargs).arguments)
+        torch.nn.Module.__init__(self)
+        self.rmsnorm = calls[-1].get("rmsnorm", True)
+        self.norm = torch.nn.Module()
+        self.norm.eps = 1e-5  # megatron's literal
+
+    monkeypatch.setattr(megatron_mixer, "__init__", megatron_init)
     spec = te_layer_spec(MAMBA, MODEL)
+    assert spec.module is MambaLayer
+    assert spec.submodules.mamba_bda is stack.mamba_layer.submodules.mamba_bda
     mixer_spec = spec.submodules.mixer
-    assert mixer_spec.params == {"chunk_size": 32}
-    assert mixer_spec.submodules is fake_megatron_te_modules  # TE linears kept
-    assert spec.submodules.mamba_bda == "bda"
-    config = types.SimpleNamespace(layernorm_epsilon=1e-3)
-    mixer = mixer_spec.module(config, submodules=mixer_spec.submodules, d_model=64,
-                              **mixer_spec.params)
-    assert (mixer.chunk_size, mixer.norm.eps) == (32, 1e-3)
-    for kind, layer in (("attention", "TE attention layer"), ("mlp", "TE MLP layer")):
-        assert te_layer_spec(LayerPrecision(index=1, kind=kind, format="bf16"), MODEL) == layer
+    assert issubclass(mixer_spec.module, megatron_mixer)
+    assert mixer_spec.submodules is stack.mamba_layer.submodules.mixer.submodules  # TE linears
+    layer = _build(spec, MODEL)
+    assert isinstance(layer.mixer, MambaMixerWithConfigEps)
+    (call,) = calls
+    assert call["chunk_size"] == 32 and call["d_model"] == 64
+    assert call["submodules"] is mixer_spec.submodules
+    assert layer.mixer.norm.eps == 1e-3
+    for kind, layer_spec in (("attention", stack.attention_layer), ("mlp", stack.mlp_layer)):
+        assert te_layer_spec(LayerPrecision(index=1, kind=kind, format="bf16"), MODEL) is layer_spec
