@@ -530,7 +530,11 @@ def test_mixer_tp2_matches_full_reference_and_shards():
 
 def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
     """The CUDA path's calls (causal_conv1d_fn, mamba_chunk_scan_combined, rmsnorm_fn), run with
-    CPU stand-ins that check the kernels' documented argument layouts, == the PyTorch path."""
+    CPU stand-ins that check the kernels' documented argument layouts, == the PyTorch path.
+
+    The stand-ins compute in float64 from the kernels' definitions (tap loop, step-by-step
+    recurrence, grouped gated RMS norm), sharing no code with the mixer's own conv, chunked scan
+    or norm, so a fault in either side shows."""
     import model.mamba_mixer as mm
 
     calls = []
@@ -541,8 +545,13 @@ def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
         assert weight.shape == (d, weight.shape[1]) and bias.shape == (d,)
         assert x.is_contiguous() and activation in ("silu", "swish")
         calls.append("conv")
-        out = F.conv1d(F.pad(x, (weight.shape[1] - 1, 0)), weight.unsqueeze(1), bias, groups=d)
-        return F.silu(out)
+        k = weight.shape[1]
+        out = bias.double()[None, :, None].repeat(b, 1, l)
+        for j in range(k):  # out[t] = bias + sum_j w[:, j] * x[t - (k-1) + j], zero before 0
+            shift = k - 1 - j
+            if shift < l:
+                out[..., shift:] += weight[:, j, None].double() * x[..., :l - shift].double()
+        return (out * torch.sigmoid(out)).to(x.dtype)
 
     def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                                   initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -551,14 +560,19 @@ def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
         b, l, h, p = x.shape
         assert dt.shape == (b, l, h) and A.shape == (h,) and B.shape[:2] == (b, l)
         assert C.shape == B.shape and D.shape == (h,) and dt_bias.shape == (h,)
-        assert z is None and dt_softplus and A.dtype == torch.float32
+        assert z is None and dt_softplus and A.dtype == torch.float32 and chunk_size == 16
         calls.append("scan")
-        return ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
+        dt = torch.log1p(torch.exp(dt.double() + dt_bias.double()))  # softplus
+        y, _ = naive_ssm(x.double(), dt, A.double(), B.double(), C.double(), D.double())
+        return y.to(x.dtype)
 
     def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
         assert bias is None and norm_before_gate is False and z.shape == x.shape
         calls.append("norm")
-        return mm.gated_rmsnorm(x, z, weight, eps, group_size)
+        gated = x.double() * z.double() * torch.sigmoid(z.double())
+        groups = gated.reshape(*x.shape[:-1], -1, group_size)
+        groups = groups / torch.sqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+        return (groups.reshape(x.shape) * weight.double()).to(x.dtype)
 
     m = _mixer(_config(**TINY), chunk_size=16)
     h = torch.randn(37, 2, 64)
@@ -575,6 +589,7 @@ def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
         monkeypatch.setattr(mm.MambaMixer, "_kernels_for", lambda self, t, _k=subset: _k)
         out, _ = m(h)
         assert calls == expected, present
+        # float32 mixer vs float64 stand-ins: float32 rounding over 37 steps of O(1) outputs.
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
