@@ -63,6 +63,10 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    megatron's wrappers pass the config's value there and nothing else reads it (mc 0.16.1
    extensions/transformer_engine.py:626, 828; the fused-MLP ops read the module's attribute,
    :1982, 2016). An attribute of the built modules, no library global.
+10. `quiet_cpu_fallback_warnings`: megatron-core warns at import, on every machine without TE and
+   Apex, that it falls back to torch (e.g. mc 0.16.1 optimizer/__init__.py:24, clip_grads.py:29):
+   every CPU run's expected set-up, not news. A process-wide warnings filter, so only the entry
+   points call it (train.py, the export and evaluation commands, the benches), never an import.
 Items 1-4, 8 and 9 select, replace or load; they never edit a library's globals.
 """
 
@@ -72,6 +76,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -299,3 +304,8 @@ def te_fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
             module.fuse_wgrad_accumulation = True
             count += 1
     return count
+
+
+def quiet_cpu_fallback_warnings() -> None:
+    """Item 10: hide megatron's "Transformer Engine and Apex are not installed" import warnings."""
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")

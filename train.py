@@ -6,14 +6,18 @@
     python train.py model=nemotron_h_12b precision=nvfp4 run.dry_run=true
 
 Compose the config (recipes/, validated by training/config.py), build, train, close.
-Exit codes: see training.trainer.ExitCode and the README.
+Exit codes: errors.ExitCode (errors.py) and the README.
 """
 
 import sys
 
 import hydra
 
+from compat import quiet_cpu_fallback_warnings
 from training.config import register_configs
+
+# Here, not in main(): megatron's checkpoint writer processes re-import this module.
+quiet_cpu_fallback_warnings()
 
 
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")

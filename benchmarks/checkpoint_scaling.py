@@ -122,5 +122,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from compat import quiet_cpu_fallback_warnings
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet_cpu_fallback_warnings()
     main()

@@ -567,6 +567,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 if __name__ == "__main__":
+    from compat import quiet_cpu_fallback_warnings
+
+    quiet_cpu_fallback_warnings()
     try:
         main()
     finally:

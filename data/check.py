@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from errors import ExitCode
+
 from data.shards import dataset_problem, find_shards, read_json, shard_info, shard_prefix
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -249,10 +251,10 @@ def check_prefixes(prefixes: List[str], workers: int = 1) -> int:
     if c.tokenizer is not None:
         print(f"tokenizer: {c.tokenizer[1]} (sha256 {str(c.tokenizer[0])[:12]})")
     if c.inconsistent:
-        return 2
+        return ExitCode.CONFIG
     if c.missing:
-        return 3
+        return ExitCode.MISSING
     unverified = (f" ({len(c.unverified)} dataset(s) without checksums: their tokens were not "
                   "verified)" if c.unverified else "")
     print(f"all shards complete and consistent{unverified}", flush=True)
-    return 0
+    return ExitCode.OK

@@ -20,17 +20,21 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from errors import ConfigError, ExitCode
+
 DEMO_PREFIX = "demo:"
 DEMO_CATEGORIES = ("prose", "code", "math")
 DEMO_DATASETS = DEMO_CATEGORIES + tuple(f"{c}_val" for c in DEMO_CATEGORIES)
 
 
-class DataConfigError(ValueError):
-    """A data config that cannot work; the message names the key and how to fix it."""
+class DataConfigError(ConfigError):
+    """A data config that cannot work; the message names the key and how to fix it (exit 2)."""
 
 
 class MissingDataError(DataConfigError):
-    """A configured dataset prefix (or tokenizer) is not on disk."""
+    """A configured dataset prefix (or tokenizer) is not on disk (exit 3)."""
+
+    code = ExitCode.MISSING
 
 
 @dataclass

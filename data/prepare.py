@@ -18,7 +18,7 @@ tokenizer directory, which also adds its ``bos_token`` when ``add_bos_token`` is
 
 Bad input (malformed JSON, missing/null/non-string field, invalid UTF-8) is skipped, counted and
 reported with file:line (file:row N for Parquet/Arrow); ``--strict`` stops at the first one
-(exit 1); when every record is dropped, the "no documents" error gives the counts per reason. A
+(exit 7); when every record is dropped, the "no documents" error gives the counts per reason. A
 Parquet/Arrow file without the text column, or with a non-string one, is refused before
 anything is written. The dataset is written under a temporary name carrying the writer's pid and
 host and renamed into place at the end (.bin, then the sidecar, then .idx), so an interrupted run
@@ -45,10 +45,10 @@ naming the first (exit 5). At the commit, an output that another writer put ther
 never replaced (exit 2) unless ``--overwrite``. The sidecar records the SHA-256 of the ``.bin``
 and ``.idx`` (``checksums``), which ``--check`` verifies.
 
-Exit codes: 0 done (or the shard was already complete); 1 bad input under --strict, no
-documents, an input that cannot be read to its end (a truncated or corrupt .gz: the file and the
-byte offset named), or an output that cannot be written (read-only, not a directory, disk full);
-2 usage errors (bad arguments, no inputs, a Parquet/Arrow file without the text column, a bad
+Exit codes (errors.ExitCode): 0 done (or the shard was already complete); 7 bad input under
+--strict, no documents, or an input that cannot be read to its end (a truncated or corrupt .gz:
+the file and the byte offset named); 8 an output that cannot be written (read-only, not a
+directory, disk full); 2 usage errors (bad arguments, no inputs, a Parquet/Arrow file without the text column, a bad
 tokenizer, output exists without --overwrite, or appeared while this run was tokenizing); 5
 another data.prepare holds the output prefix, or its lock file is a link or not this user's;
 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, as Slurm's scancel sends): no output, no
@@ -76,6 +76,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from errors import ExitCode
+
 JSON_EXTS = (".jsonl", ".ndjson", ".json")
 PARQUET_EXTS = (".parquet", ".pq")
 ARROW_EXTS = (".arrow",)
@@ -87,8 +89,6 @@ HF_DICT = "dataset_dict.json"  # ... and DatasetDict.save_to_disk above its spli
 # bytes of one record, or a pyarrow string array of values.
 Record = Tuple[int, int, object]
 
-EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_MISSING, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
-EXIT_LOCKED = 5  # another data.prepare holds the output prefix (as train.py's 5: run.dir in use)
 
 
 class StrictError(Exception):
@@ -96,11 +96,11 @@ class StrictError(Exception):
 
 
 class InputError(Exception):
-    """An input that cannot be read to its end (a truncated or corrupt .gz): exit 1."""
+    """An input that cannot be read to its end (a truncated or corrupt .gz): exit 7."""
 
 
 class OutputError(Exception):
-    """The output cannot be written (read-only, not a directory, no permission, disk full): exit 1."""
+    """The output cannot be written (read-only, not a directory, no permission, disk full): exit 8."""
 
 
 def _cannot_write(output: str, exc: OSError) -> OutputError:
@@ -651,7 +651,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.check:
         if not args.inputs:
             _error("--check needs at least one dataset prefix")
-            return EXIT_USAGE
+            return ExitCode.CONFIG
         from data.check import check_prefixes
 
         return check_prefixes(args.inputs, workers=args.workers)
@@ -659,9 +659,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         job = _plan(args)
     except UsageError as e:
         _error(str(e))
-        return EXIT_USAGE
+        return ExitCode.CONFIG
     if job is None:  # a complete shard: nothing to do
-        return EXIT_OK
+        return ExitCode.OK
     import signal
     import threading
 
@@ -679,22 +679,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(args, job)
     except PrefixInUse as e:
         _error(str(e))
-        return EXIT_LOCKED
+        return ExitCode.IN_USE
     except (UsageError, OutputExists) as e:
         _error(str(e))
-        return EXIT_USAGE
-    except (InputError, OutputError) as e:
+        return ExitCode.CONFIG
+    except InputError as e:
         _error(f"{e}; no output written")
-        return EXIT_INPUT
+        return ExitCode.BAD_INPUT
+    except OutputError as e:
+        _error(f"{e}; no output written")
+        return ExitCode.UNWRITABLE
     except StrictError as e:
         _error(f"{e} (--strict); no output written")
-        return EXIT_INPUT
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         _error("interrupted: no output written")
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except Terminated:
         _error("terminated (SIGTERM): no output written")
-        return EXIT_TERMINATED
+        return ExitCode.TERMINATED
     finally:
         lock.release()
         if in_main:
@@ -998,7 +1001,7 @@ def _run(args, job: Job) -> int:
         stats.documents, stats.tokens = writer.documents, writer.tokens
         if stats.documents == 0 and (job.shard is None or stats.bad_total or stats.empty):
             _error(f"no documents in the input: {_nothing_kept(stats)}; no output written")
-            return EXIT_INPUT
+            return ExitCode.BAD_INPUT
         if stats.documents == 0:  # a shard that the split left without records: complete, empty
             err.print(f"{prefix}: shard {job.shard[0]}/{job.shard[1]} has no records "
                       f"(more shards than splittable input); written empty", markup=False, highlight=False)
@@ -1018,7 +1021,7 @@ def _run(args, job: Job) -> int:
         except OSError as e:
             raise _cannot_write(args.output, e) from None
     _report(out, prefix, stats, elapsed, spec.path)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _nothing_kept(stats: Stats) -> str:

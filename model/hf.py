@@ -54,6 +54,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from errors import ConfigError, ExitCode
+
 from .config import ModelConfig
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -73,9 +75,6 @@ DT_MAX, DT_INIT_FLOOR = 0.1, 1e-4
 _MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 # Weight files that are pickles: never opened.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Exit codes (the trainer's, README "Exit codes"): 2 bad value, 3 missing file, 6 bad checkpoint,
-# 8 the output cannot be written.
-EXIT_CONFIG, EXIT_MISSING, EXIT_NO_CHECKPOINT, EXIT_UNWRITABLE = 2, 3, 6, 8
 # Every export writes this file, listing the files it wrote. `--overwrite` replaces only a
 # directory that holds it and nothing else: never a run, a user's directory, or a file a user
 # added to an export (a model card).
@@ -85,12 +84,10 @@ EXPORT_FORMAT = "nvfp4-pretrain hf_export"
 HF_EXTRA_HINT = "install the Hugging Face extra: pip install -e '.[hf]'"
 
 
-class HFError(ValueError):
-    """A refused export or import: one line, and the process exit code that goes with it."""
-
-    def __init__(self, message: str, code: int = EXIT_CONFIG):
-        super().__init__(message)
-        self.code = code
+class HFError(ConfigError):
+    """A refused export or import: one line, and the exit code that goes with it (a bad value,
+    exit 2, unless it says otherwise: a missing file 3, an unusable checkpoint 6, an output that
+    cannot be written 8)."""
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -220,13 +217,15 @@ def config_mismatches(hf: Mapping, cfg: ModelConfig, vocab_size: Optional[int]) 
 
 def read_hf_config(hf_dir: Path, key: str = "model.init_from") -> dict:
     path = Path(hf_dir) / "config.json"
+    if not os.path.lexists(hf_dir):
+        raise HFError(f"{key}={hf_dir}: no such directory", ExitCode.MISSING)
     if not Path(hf_dir).is_dir():
         raise HFError(f"{key}={hf_dir}: not a directory (a Hugging Face model directory with "
                       "config.json and *.safetensors)")
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise HFError(f"{key}={hf_dir}: no config.json in it") from None
+        raise HFError(f"{key}={hf_dir}: no config.json in it", ExitCode.MISSING) from None
     except ValueError as exc:
         raise HFError(f"{key}={hf_dir}: config.json is not JSON ({exc})") from None
 
@@ -413,22 +412,6 @@ def _sharded_tensors(module: torch.nn.Module):
     return sharded, factories
 
 
-def model_full_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{checkpoint key: tensor} of a model built at TP = PP = 1 (the full tensors), the same
-    keys and values its distributed checkpoint stores."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    sharded, _ = _sharded_tensors(module)
-    out = {}
-    for sh in nested_values(sharded):
-        if isinstance(sh, ShardedTensor):
-            if tuple(sh.local_shape) != tuple(sh.global_shape):
-                raise ValueError(f"{sh.key} is sharded: build the model at TP = PP = 1")
-            out[canonical_key(sh.key)] = sh.data.detach()
-    return out
-
-
 def load_full_tensors(module: torch.nn.Module, tensor_for: Callable) -> None:
     """Fill `module` (this rank's part of the model, any TP/PP) from full tensors.
 
@@ -509,7 +492,7 @@ def _weight_files(hf_dir: Path) -> dict[str, str]:
         for name in sorted(set(weight_map.values())):
             if not (hf_dir / name).is_file():
                 raise HFError(f"model.init_from={hf_dir}: {index.name} lists {name}, which is "
-                              "missing", EXIT_MISSING)
+                              "missing", ExitCode.MISSING)
             held = set(_safetensors_keys(hf_dir, name))
             lacking = sorted(t for t, f in weight_map.items() if f == name and t not in held)
             if lacking:
@@ -525,7 +508,7 @@ def _weight_files(hf_dir: Path) -> dict[str, str]:
                       "which are never loaded here (unpickling runs code): convert them to "
                       "safetensors first")
     raise HFError(f"model.init_from={hf_dir}: no model.safetensors or "
-                  "model.safetensors.index.json in it", EXIT_MISSING)
+                  "model.safetensors.index.json in it", ExitCode.MISSING)
 
 
 class SafetensorsWeights:

@@ -109,6 +109,24 @@ def model_config(name: str):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
 
 
+def model_full_tensors(module) -> dict:
+    """{checkpoint key (portable names): tensor} of a model built at TP = PP = 1: the keys and
+    values its distributed checkpoint stores, read through megatron's sharded_state_dict as
+    model/hf.py reads a checkpoint."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from model.hf import _sharded_tensors, canonical_key
+
+    sharded, _ = _sharded_tensors(module)
+    out = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor):
+            assert tuple(sh.local_shape) == tuple(sh.global_shape), f"{sh.key} is sharded"
+            out[canonical_key(sh.key)] = sh.data.detach()
+    return out
+
+
 def train_config(model: str = "demo", precision=None, *, tensor: int = 1, pipeline: int = 1,
                  seq_length=None, micro_batch_size=None, global_batch_size=None, run_dir=None):
     """A TrainConfig dataclass (as run() passes it) with the given model recipe and precision."""

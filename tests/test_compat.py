@@ -248,3 +248,15 @@ def test_the_portable_mixer_takes_the_kernels_compat_loads(stand_in_mamba, monke
     assert mamba_mixer.mamba_kernels_how(cuda=True).startswith(
         "mamba_ssm Triton SSD scan and gated norm (Triton kernels loaded without mamba_ssm/__init__.py")
     assert mamba_mixer.mamba_kernels_how(cuda=False) == "PyTorch SSD scan and gated norm (CPU run)"
+
+
+def test_quiet_cpu_fallback_warnings_hides_only_megatrons_fallback_notice():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compat.quiet_cpu_fallback_warnings()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch "
+                      "optimizers.", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in seen] == ["something else"]

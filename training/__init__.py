@@ -12,9 +12,3 @@
 - downstream (evaluations in the loop), lm_eval_model (lm-eval's `LM` over the project's model),
   evaluate (`python -m training.evaluate`: lm-eval tasks on any checkpoint).
 """
-
-import warnings
-
-# megatron-core warns at import on every machine without TE/Apex (every CPU run); on CPU that is
-# the expected set-up, not news.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")

@@ -51,6 +51,8 @@ from typing import Any, Optional
 
 import torch
 
+from errors import ConfigError, ExitCode, ProjectError
+
 from .distributed import ParallelContext, barrier
 from .run_dir import remove_temporary
 from .safe_load import CheckpointRefused  # noqa: F401  (raised from here, caught by the trainer)
@@ -62,17 +64,21 @@ MANIFEST = "manifest.json"
 ABANDONED = "abandoned-"
 
 
-class NoUsableCheckpoint(Exception):
+class NoUsableCheckpoint(ProjectError):
     """run.dir holds checkpoints and none of them can be resumed from."""
 
+    code = ExitCode.NO_USABLE_CHECKPOINT
 
-class CheckpointMismatch(ValueError):
+
+class CheckpointMismatch(ConfigError):
     """The checkpoint was written for another model (shapes or keys differ)."""
 
 
-class CheckpointNotWritten(Exception):
+class CheckpointNotWritten(ProjectError):
     """The file system refused a checkpoint (disk full, quota, read-only): its temporary is gone
     and the checkpoints before it are untouched. The message is one line naming the OS error."""
+
+    code = ExitCode.UNWRITABLE
 
 
 def step_dir_name(step: int) -> str:

@@ -32,13 +32,12 @@ from typing import Optional
 
 import torch
 
+from compat import quiet_cpu_fallback_warnings
+from errors import ExitCode
 from model.config import ModelConfig
 from model.hf import (
     _MODEL_KEY_PREFIXES,
     canonical_key,
-    EXIT_MISSING,
-    EXIT_NO_CHECKPOINT,
-    EXIT_UNWRITABLE,
     HF_EXTRA_HINT,
     HFError,
     hf_config,
@@ -106,13 +105,13 @@ def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
                           f"{', '.join(have) or 'none'})")
         problem = ckpt.verify_checkpoint(path)
         if problem:
-            raise HFError(f"--step {step}: {path} is unusable: {problem}", EXIT_NO_CHECKPOINT)
+            raise HFError(f"--step {step}: {path} is unusable: {problem}", ExitCode.NO_USABLE_CHECKPOINT)
         return path
     found = ckpt.latest_valid_checkpoint(root)
     if found is None:
         if root.is_dir() and any(root.glob(f"{ckpt.PREFIX}*")):
             raise HFError(f"RUN_DIR={run_dir}: none of its checkpoints is usable (see the "
-                          "warnings above)", EXIT_NO_CHECKPOINT)
+                          "warnings above)", ExitCode.NO_USABLE_CHECKPOINT)
         raise HFError(f"RUN_DIR={run_dir}: no checkpoint in {root}")
     return found
 
@@ -132,7 +131,7 @@ def read_checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     try:
         metadata = reader.read_metadata()
     except CheckpointRefused as exc:
-        raise HFError(str(exc), EXIT_NO_CHECKPOINT) from None
+        raise HFError(str(exc), ExitCode.NO_USABLE_CHECKPOINT) from None
     wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
               for key, meta in metadata.state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata) and key.startswith(_MODEL_KEY_PREFIXES)}
@@ -141,7 +140,7 @@ def read_checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     except CheckpointException as exc:  # torch wraps each failure (dcp/utils.py)
         cause = unwrap_checkpoint_exception(exc)
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise HFError(f"refusing {checkpoint / 'dist'}: {first}", EXIT_NO_CHECKPOINT) from None
+        raise HFError(f"refusing {checkpoint / 'dist'}: {first}", ExitCode.NO_USABLE_CHECKPOINT) from None
     return {canonical_key(k): v for k, v in wanted.items()}
 
 
@@ -163,7 +162,7 @@ def _hf_tokenizer(files: RunFiles, override: Optional[str]):
     if os.path.isdir(path):  # a Hugging Face tokenizer directory: its special tokens as configured
         return AutoTokenizer.from_pretrained(path)
     if not os.path.isfile(path):
-        raise HFError(f"{key}={path}: file not found (pass --tokenizer PATH)", EXIT_MISSING)
+        raise HFError(f"{key}={path}: file not found (pass --tokenizer PATH)", ExitCode.MISSING)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(path)
@@ -214,7 +213,7 @@ def _probe_writable(output: Path, real: Path) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
     except OSError as exc:
         raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}",
-                      EXIT_UNWRITABLE) from None
+                      ExitCode.UNWRITABLE) from None
 
 
 def _os_reason(exc: OSError) -> str:
@@ -272,7 +271,7 @@ def recorded_input_amax(checkpoint: Path, formats: dict[str, str], weights_only:
         state = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError, EOFError) as exc:
         raise HFError(f"refusing {checkpoint / 'trainer.pt'}: {str(exc).splitlines()[0]}",
-                      EXIT_NO_CHECKPOINT) from None
+                      ExitCode.NO_USABLE_CHECKPOINT) from None
     amax, steps = running_input_amax(state.get("input_amax") if isinstance(state, dict) else None)
     missing = [k for k, f in formats.items() if f == "nvfp4" and k not in amax]
     if missing:
@@ -370,7 +369,7 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
                      shard_bytes, about, serving)
     except OSError as exc:  # read-only, no permission, disk full: the temporary is gone
         raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}; nothing was "
-                      "replaced", EXIT_UNWRITABLE) from None
+                      "replaced", ExitCode.UNWRITABLE) from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -398,6 +397,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(NVFP4A16), for a run without recorded input amax")
     args = ex.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_cpu_fallback_warnings()
     try:
         checkpoint = export(args.run_dir, args.output, args.step, args.tokenizer, args.overwrite,
                             args.max_shard_size, args.weights, args.fmt, args.weights_only)
@@ -405,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
     print(f"exported {checkpoint} to {Path(args.output)}")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

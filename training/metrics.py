@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from errors import ExitCode, ProjectError
+
 from .run_dir import open_run_file
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -210,8 +212,10 @@ def wandb_key(key: str) -> str:
     return "train/" + key
 
 
-class WandbUnavailable(Exception):
+class WandbUnavailable(ProjectError):
     """logger.mode=online and W&B cannot be used (no API key, no answer from the server)."""
+
+    code = ExitCode.WANDB_UNAVAILABLE
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,6 +12,10 @@ Every file the run writes into run.dir (.lock, metrics.jsonl, train.log, config.
 through `open_run_file` / `create_run_file`: never through a symbolic link, and only when it is a
 regular file of this user with no other name (a hard link), so a link planted in run.dir cannot
 turn a write, a truncation or an append on a file elsewhere (UnsafeFile, exit 8).
+
+`prepare_run_dir` is the start of every run: the caller's refusals, then run.dir created, locked
+and checked (in use: exit 5; unwritable or a planted link: exit 8; run.resume=never on a run: 5),
+stale checkpoint temporaries removed and config.yaml written, rank 0's outcome for every rank.
 """
 
 from __future__ import annotations
@@ -19,12 +23,20 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
 import stat
 import time
 from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from errors import ExitCode, ProjectError
+
+log = logging.getLogger("nvfp4_pretrain")
 
 LOCK_NAME = ".lock"
 # Errors of a file system without working locks (e.g. Lustre mounted without -o flock).
@@ -33,12 +45,16 @@ NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 _held: dict[Path, int] = {}  # lock path -> open descriptor
 
 
-class RunDirBusy(Exception):
+class RunDirBusy(ProjectError):
     """Another process holds run.dir's lock; the message names it."""
 
+    code = ExitCode.IN_USE
 
-class UnsafeFile(Exception):
+
+class UnsafeFile(ProjectError):
     """A file the run would write is a link, not a regular file, or another user's."""
+
+    code = ExitCode.UNWRITABLE
 
     def __init__(self, path, problem: str):
         self.path = Path(path)
@@ -179,3 +195,94 @@ def remove_temporary(path: Path) -> None:
     else:  # rmtree never follows a link inside the tree (it works on directory descriptors)
         shutil.rmtree(path, ignore_errors=True)
 
+
+
+# -- preparing a run directory -----------------------------------------------------------------
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+
+
+def unwritable_message(key: str, directory, exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return (f"{key}={directory} cannot be written: {exc.strerror or exc}{where}; it must be a "
+            "writable directory (or a path where one can be created)")
+
+
+def unwritable_key(exc: OSError, directories) -> Optional[tuple[str, str]]:
+    """(key, directory) of the `(key, directory)` pairs that an OSError concerns, else None."""
+    if not exc.filename:
+        return None
+    path = os.path.abspath(os.fsdecode(exc.filename))
+    for key, directory in directories:
+        root = os.path.abspath(str(directory))
+        if path == root or path.startswith(root + os.sep):
+            return key, str(directory)
+    return None
+
+
+def prepare_run_dir(run_dir: Path, is_main: bool, *, resume: str, config_text: str,
+                    refusals: Callable[[], None]) -> Path:
+    """Rank 0 checks, locks run.dir and writes config.yaml once; every rank gets the outcome.
+
+    Nothing is written before the checks that can refuse the run: `refusals()` (the caller's,
+    raising a ProjectError) and run.resume=never on a run; then run.dir/.lock is taken before
+    anything else is written, and a second trainer on the same run.dir is turned away.
+    """
+    refusal = None
+    if is_main:
+        try:
+            refusals()
+            _prepare_on_main(run_dir, resume, config_text)
+        except ProjectError as exc:
+            refusal = (str(exc), exc.code)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)  # every rank stops with rank 0's code
+        refusal = box[0]
+    if refusal is not None:
+        raise ProjectError(*refusal)
+    return run_dir
+
+
+def _prepare_on_main(run_dir: Path, resume: str, config_text: str) -> None:
+    never = (f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
+             "run.dir or set run.resume=auto to continue it")
+    if resume == "never" and holds_a_run(run_dir):
+        raise ProjectError(never, ExitCode.IN_USE)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        locked = lock_run_dir(run_dir)
+    except RunDirBusy as exc:
+        raise RunDirBusy(
+            f"run.dir={run_dir} is in use by another trainer: {exc}; wait for it to end or stop "
+            "it (its lock goes with the process), or choose another run.dir") from None
+    except UnsafeFile as exc:
+        raise ProjectError(f"run.dir={run_dir}: {exc}", exc.code) from None
+    except OSError as exc:
+        raise ProjectError(unwritable_message("run.dir", run_dir, exc),
+                           ExitCode.UNWRITABLE) from None
+    if not locked:
+        log.warning(f"run.dir={run_dir}: the file system does not support locks; nothing "
+                    "stops a second trainer from writing into this run directory")
+    if resume == "never" and holds_a_run(run_dir):  # a run that ended meanwhile
+        raise ProjectError(never, ExitCode.IN_USE)
+    if locked:  # no other writer: a temporary checkpoint here belongs to a dead one
+        for name in remove_stale_checkpoint_temporaries(run_dir / "checkpoints"):
+            log.warning(f"removed {run_dir / 'checkpoints' / name}: an unfinished checkpoint "
+                        "of a process that died")
+    config_path = run_dir / "config.yaml"
+    try:  # created, never written through an existing name (a link included)
+        if not os.path.lexists(config_path):
+            create_run_file(config_path, config_text)
+        elif read_run_file(config_path) != config_text:  # a resume with another config: keep both
+            n = 1
+            while os.path.lexists(run_dir / f"config.resume-{n}.yaml"):
+                n += 1
+            create_run_file(run_dir / f"config.resume-{n}.yaml", config_text)
+    except UnsafeFile as exc:
+        raise ProjectError(f"run.dir={run_dir}: {exc}", exc.code) from None
+    except OSError as exc:
+        raise ProjectError(unwritable_message("run.dir", run_dir, exc),
+                           ExitCode.UNWRITABLE) from None

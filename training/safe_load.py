@@ -46,9 +46,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
+from errors import ExitCode, ProjectError
 
-class CheckpointRefused(Exception):
+
+class CheckpointRefused(ProjectError):
     """A checkpoint file would run code (or import something) to load: refused, nothing ran."""
+
+    code = ExitCode.NO_USABLE_CHECKPOINT
 
 
 # Every global a torch_dist `.metadata` pickle names (torch 2.13, megatron-core 0.16.1): the

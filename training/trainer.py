@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,51 +18,30 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from compat import seed_model_parallel_rng
-from data import MissingDataError, build_data
+from errors import ConfigError, ExitCode, ProjectError
+from data import build_data
 from model.build import build_model, choose_backend
 from nvfp4_recipe.megatron.controller import PrecisionController, diagnostics_summary
 from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
 from . import checkpoint as ckpt
+from . import run_dir as run_dir_lib
+from .cadence import Every
 from .config import TrainConfig, recompute_config, validate
-from .downstream import DownstreamEvaluator
+from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
+                            optimizer_state_bytes, uses_megatron_ddp)
 from .distributed import ParallelContext, init_distributed, shutdown, stochastic_rounding_seed
+from .downstream import DownstreamEvaluator
 from .grad_health import GradHealth
-from .metrics import (MetricsSink, WandbUnavailable, check_wandb_online, data_line,
-                      grad_health_line, render, setup_logging, start_wandb, status_line)
-from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model,
-                              optimizer_checkpoint_format, optimizer_state_bytes,
-                              uses_megatron_ddp)
 from .lr_schedule import WSDScheduler
-from .schedules import run_micro_batches
+from .metrics import (MetricsSink, check_wandb_online, data_line, grad_health_line, render,
+                      setup_logging, start_wandb, status_line)
 from .preflight import run_preflight
-from .run_dir import (RunDirBusy, UnsafeFile, create_run_file, lock_run_dir, read_run_file,
-                      release_run_dir, remove_stale_checkpoint_temporaries)
+from .run_dir import UnsafeFile, release_run_dir
+from .schedules import run_micro_batches
+from .validation import Validator
 
 log = logging.getLogger("nvfp4_pretrain")
-
-
-class ExitCode:
-    """Process exit codes (documented in the README)."""
-
-    OK = 0
-    CONFIG = 2  # an invalid value or combination of values
-    MISSING_DATA = 3  # a data path that does not exist
-    DIVERGED = 4  # NaN/Inf loss with on_nan=stop, or max_consecutive_skips with on_nan=skip
-    RUN_DIR_IN_USE = 5  # run.resume=never and run.dir holds a run, or another trainer holds it
-    NO_USABLE_CHECKPOINT = 6  # run.dir holds checkpoints and none can be resumed from
-    # run.dir (or data.cache_dir) cannot be created or written, a checkpoint cannot be written
-    # (disk full), or a file the run writes there is a link or another user's (UnsafeFile)
-    RUN_DIR_UNWRITABLE = 8
-    WANDB_UNAVAILABLE = 9  # logger.mode=online without an API key or an answering server
-    PREEMPTED = 75  # SIGTERM/SIGUSR1/first SIGINT: checkpointed, resumable (EX_TEMPFAIL)
-    INTERRUPTED = 130  # a second SIGINT (Ctrl-C): stopped at once, no checkpoint
-
-
-class TrainingError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
 
 
 class StopSignal:
@@ -172,7 +152,14 @@ class Trainer:
         self.skipped_at_last_save = 0  # skipped_steps when the previous checkpoint was written
         self.wandb_id: Optional[str] = None
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
-        self.val_batches = self.data.validation_batches(tr.eval_batches)
+        # Each part of the loop owns its cadence (training/cadence.py).
+        self.validator = Validator(self.model, self.data.validation_batches(tr.eval_batches),
+                                   ctx, self.activation_shape, self.gemm,
+                                   self.precision.before_evaluation,
+                                   due=Every(tr.eval_every, last=tr.max_steps))
+        self.save_due = Every(tr.save_every, last=tr.max_steps)
+        self.status_due = Every(tr.log_every)
+        self.grad_health_due = Every(tr.grad_health_every)
         self.downstream = DownstreamEvaluator(cfg.evaluation, tr.max_steps, self._downstream_lm,
                                               self.run_dir, ctx.is_main)
         for line in self.precision.describe(backend, reason, ctx.device):
@@ -224,30 +211,24 @@ class Trainer:
             log.error("not writing a checkpoint: the weights contain NaN/Inf")
             return
         self.precision.input_amax.all_reduce()  # every rank's linears and batches, for rank 0
-        try:
-            path = ckpt.save_checkpoint(
-                self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
-                optimizer_format=self.optimizer_format, optimizer_layout=self.checkpoint_layout,
-                spec=self.built.spec,
-                trainer_state=self.state_dict(), keep_last=self.cfg.trainer.keep_last,
-                skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
-        except ckpt.CheckpointNotWritten as exc:  # disk full, quota, read-only
-            raise TrainingError(str(exc), ExitCode.RUN_DIR_UNWRITABLE) from None
+        # The file system's refusal (disk full, quota, read-only) is CheckpointNotWritten: exit 8.
+        path = ckpt.save_checkpoint(
+            self.ckpt_root, self.step, self.ctx, model=self.core, optimizer=self.optimizer,
+            optimizer_format=self.optimizer_format, optimizer_layout=self.checkpoint_layout,
+            spec=self.built.spec,
+            trainer_state=self.state_dict(), keep_last=self.cfg.trainer.keep_last,
+            skipped_since_previous=self.skipped_steps - self.skipped_at_last_save)
         self.skipped_at_last_save = self.skipped_steps
         log.info(f"saved checkpoint {path}")
 
     def resume(self) -> None:
-        """Continue from the newest intact checkpoint; refuse (exit 6) when none is usable."""
-        try:
-            path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
-            if path is None:
-                return
-            state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer,
-                                         self.optimizer_format, spec=self.built.spec)
-        except (ckpt.NoUsableCheckpoint, ckpt.CheckpointRefused) as exc:
-            raise TrainingError(str(exc), ExitCode.NO_USABLE_CHECKPOINT) from None
-        except ckpt.CheckpointMismatch as exc:
-            raise TrainingError(str(exc), ExitCode.CONFIG) from None
+        """Continue from the newest intact checkpoint. Refused: none usable, or one that would
+        run code (exit 6), or one written for another model (exit 2)."""
+        path = ckpt.find_resume_checkpoint(self.ckpt_root, self.ctx)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path, self.ctx, self.core, self.optimizer,
+                                     self.optimizer_format, spec=self.built.spec)
         self.load_state_dict(state["trainer"])
         self.resumed_from = path
         if state["resharded"]:
@@ -280,7 +261,7 @@ class Trainer:
         precision_metrics = self.precision.after_step(self.step)
         loss = self._all_reduce_mean(total, parallel_state.get_data_parallel_group()).item()
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
-        health = self.grad_health.collect() if self._grad_health_due() else None
+        health = self.grad_health.collect() if self.grad_health_due(self.step + 1) else None
         # megatron's optimizer.step(), split so that a non-finite norm can skip the update.
         self.optimizer.prepare_grads()
         clip = self.cfg.trainer.grad_clip
@@ -292,7 +273,7 @@ class Trainer:
             stats = health or self.grad_health.collect()
             where = self._report_nonfinite(stats, loss, sink)
             if self.cfg.trainer.on_nan == "stop":
-                raise TrainingError(
+                raise ProjectError(
                     f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite "
                     f"({where}); stopping without a checkpoint (trainer.on_nan=skip skips such "
                     "steps)", ExitCode.DIVERGED)
@@ -300,7 +281,7 @@ class Trainer:
             self.consecutive_skips += 1
             limit = self.cfg.trainer.max_consecutive_skips
             if self.consecutive_skips >= limit:
-                raise TrainingError(
+                raise ProjectError(
                     f"loss {loss} / grad-norm {grad_norm} at step {self.step + 1} is not finite, "
                     f"{self.consecutive_skips} steps in a row (trainer.max_consecutive_skips="
                     f"{limit}): the run diverged; stopping without a checkpoint (the newest clean "
@@ -322,33 +303,18 @@ class Trainer:
         return GradHealth(self.core, self.model, self.optimizer, self.cfg.model.layer_kinds(),
                           self.ctx.device)
 
-    def _grad_health_due(self) -> bool:
-        every = self.cfg.trainer.grad_health_every
-        return every > 0 and (self.step + 1) % every == 0
-
     def _report_nonfinite(self, stats, loss: float, sink: Optional[MetricsSink]) -> str:
         """Name the first layer, in backward order, whose gradients went non-finite."""
-        groups = stats.nonfinite_groups()
-        first = groups[0] if groups else None
+        first = stats.first_nonfinite()
         if sink is not None:
             # The step's own record carries its loss and grad norm (one "loss" per step).
             sink.event(self.step + 1, "nonfinite", first_layer=first,
-                       nonfinite_layers=len(groups))
+                       nonfinite_layers=len(stats.nonfinite_groups()))
         if first is None:
             return "no gradient element is non-finite: the norm overflowed"
         return (f"first non-finite gradient in backward order: {first}"
                 + ("; the loss itself is not finite: the forward pass went non-finite"
                    if not math.isfinite(loss) else ""))
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        from megatron.core import parallel_state
-
-        self.model.eval()
-        self.precision.before_evaluation()
-        loss = run_micro_batches(self.model, self.val_batches, self.ctx, self.activation_shape,
-                                 forward_only=True, gemm=self.gemm)
-        return self._all_reduce_mean(loss, parallel_state.get_data_parallel_group()).item()
 
     def _downstream_lm(self):
         """lm-eval's model over this trainer's model (training/lm_eval_model.py)."""
@@ -391,74 +357,68 @@ class Trainer:
         try:
             while self.step < tr.max_steps:
                 t0 = time.perf_counter()
-                micro_batches = self.data.train.next_global_batch()
-                result = self.train_step(micro_batches, sink)
+                result = self.train_step(self.data.train.next_global_batch(), sink)
                 self.step += 1
-                dt = time.perf_counter() - t0
-                metrics = {"consumed_tokens": self.consumed_tokens, "loss": result.loss,
-                           "lr": result.lr, "grad_norm": result.grad_norm,
-                           "tokens_per_sec": self.tokens_per_step / dt,
-                           "skipped_steps": self.skipped_steps,
-                           **self.data.train.metrics(), **result.health}
-                if self.step % tr.eval_every == 0 or self.step == tr.max_steps:
-                    metrics["val_loss"] = self.evaluate()
-                if result.precision:
-                    metrics.update(result.precision)
-                    log.info(diagnostics_summary(result.precision))
-                if result.health:
-                    log.info(grad_health_line(result.health))
+                metrics = self._step_metrics(result, time.perf_counter() - t0)
+                if self.validator.due(self.step):
+                    metrics["val_loss"] = self.validator.loss()
                 elapsed = time.perf_counter() - t_start
-                eta = elapsed / (self.step - start_step) * (tr.max_steps - self.step)
-                if self.step % tr.log_every == 0 or "val_loss" in metrics:
-                    log.info(status_line(self.step, tr.max_steps, metrics, eta))
-                if "val_loss" in metrics:
-                    log.info(data_line(metrics))
+                self._report(metrics, result,
+                             eta=elapsed / (self.step - start_step) * (tr.max_steps - self.step))
                 sink.log(self.step, metrics)
-                stop = self.stop.agreed(self.ctx)
-                evaluate = self.downstream.due(self.step)  # its step's checkpoint comes first
-                if (stop or evaluate or self.step % tr.save_every == 0
-                        or self.step == tr.max_steps):
-                    self.save()
-                    # a signal that came during this save: stop now, not after another step
-                    # and a second checkpoint (the grace period is short at scale)
-                    stop = stop or (self.step < tr.max_steps and self.stop.agreed(self.ctx))
-                if evaluate and not stop:  # preempted: the checkpoint holds it as pending
-                    self.downstream.run(self.step, sink)
-                    stop = self.stop.agreed(self.ctx)
-                if stop:
+                if self._after_step(sink):
                     sink.event(self.step, "preempted", signal=self.stop.name or "peer")
                     return ExitCode.PREEMPTED
         finally:
             sink.close()
         return ExitCode.OK
 
+    def _step_metrics(self, result: StepResult, seconds: float) -> dict:
+        return {"consumed_tokens": self.consumed_tokens, "loss": result.loss, "lr": result.lr,
+                "grad_norm": result.grad_norm, "tokens_per_sec": self.tokens_per_step / seconds,
+                "skipped_steps": self.skipped_steps, **self.data.train.metrics(),
+                **result.health, **result.precision}
+
+    def _report(self, metrics: dict, result: StepResult, eta: float) -> None:
+        """The console: one status line per `trainer.log_every` steps and with each validation,
+        and the diagnostics / gradient-health lines of the steps that measured them."""
+        if result.precision:
+            log.info(diagnostics_summary(result.precision))
+        if result.health:
+            log.info(grad_health_line(result.health))
+        if self.status_due(self.step) or "val_loss" in metrics:
+            log.info(status_line(self.step, self.cfg.trainer.max_steps, metrics, eta))
+        if "val_loss" in metrics:
+            log.info(data_line(metrics))
+
+    def _after_step(self, sink: MetricsSink) -> bool:
+        """Checkpoint and downstream evaluation when due, or when a stop signal came; True to
+        stop (preempted: everything up to this step is in the checkpoint)."""
+        stop = self.stop.agreed(self.ctx)
+        evaluate = self.downstream.due(self.step)  # its step's checkpoint comes first
+        if stop or evaluate or self.save_due(self.step):
+            self.save()
+            # a signal that came during this save: stop now, not after another step and a
+            # second checkpoint (the grace period is short at scale)
+            stop = stop or (self.step < self.cfg.trainer.max_steps and self.stop.agreed(self.ctx))
+        if evaluate and not stop:  # preempted: the checkpoint holds it as pending
+            self.downstream.run(self.step, sink)
+            stop = self.stop.agreed(self.ctx)
+        return stop
+
 
 def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
-    """Rank 0 checks, locks run.dir and writes config.yaml once; every rank gets the outcome.
+    """run.dir checked, locked and its config.yaml written (training/run_dir.py), after this
+    run's own refusals that must come before anything is written: a model.vocab_size smaller
+    than the tokenizer's, W&B online without a key or a server."""
+    def refusals() -> None:
+        _check_vocab(cfg)
+        if cfg.logger.mode == "online":
+            check_wandb_online()
 
-    Nothing is written before the checks that can refuse the run (a model.vocab_size smaller
-    than the tokenizer's, run.resume=never on a run, W&B online without a key or server); then
-    run.dir/.lock is taken (training/run_dir.py) before anything else is written, and a second
-    trainer on the same run.dir is turned away.
-    """
-    run_dir = Path(cfg.run.dir)
-    refusal = None
-    if ctx.is_main:
-        try:
-            _prepare_on_main(cfg, run_dir)
-        except TrainingError as exc:
-            refusal = (str(exc), exc.code)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [refusal]
-        dist.broadcast_object_list(box, src=0)  # every rank stops with rank 0's code
-        refusal = box[0]
-    if refusal is not None:
-        raise TrainingError(*refusal)
-    return run_dir
-
-
-def _holds_a_run(run_dir: Path) -> bool:
-    return (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+    return run_dir_lib.prepare_run_dir(
+        Path(cfg.run.dir), ctx.is_main, resume=cfg.run.resume,
+        config_text=OmegaConf.to_yaml(OmegaConf.structured(cfg)), refusals=refusals)
 
 
 def _tokenizer_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
@@ -475,8 +435,7 @@ def _tokenizer_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     try:
         return load_tokenizer_spec(path).tokenizer.get_vocab_size(), path
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
-        raise TrainingError(f"data.tokenizer = {path!r}: cannot load it: {exc}",
-                            ExitCode.CONFIG) from None
+        raise ConfigError(f"data.tokenizer = {path!r}: cannot load it: {exc}") from None
 
 
 def _check_vocab(cfg: TrainConfig) -> None:
@@ -490,93 +449,37 @@ def _check_vocab(cfg: TrainConfig) -> None:
     padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.vocab_multiple,
                                cfg.parallel.tensor)
     if padded < size:
-        raise TrainingError(
+        raise ProjectError(
             f"model.vocab_size={cfg.model.vocab_size} (padded to {padded}) is smaller than the "
             f"tokenizer's vocabulary of {size} tokens ({where}): ids up to {size - 1} would "
             f"index past the embedding; set model.vocab_size >= {size}, or null for the "
             "tokenizer's own", ExitCode.CONFIG)
 
 
-def _prepare_on_main(cfg: TrainConfig, run_dir: Path) -> None:
-    _check_vocab(cfg)
-    never = (f"run.dir={run_dir} already holds a run and run.resume=never; choose another "
-             "run.dir or set run.resume=auto to continue it")
-    if cfg.run.resume == "never" and _holds_a_run(run_dir):
-        raise TrainingError(never, ExitCode.RUN_DIR_IN_USE)
-    if cfg.logger.mode == "online":
-        try:
-            check_wandb_online()
-        except WandbUnavailable as exc:
-            raise TrainingError(str(exc), ExitCode.WANDB_UNAVAILABLE) from None
+@contextlib.contextmanager
+def _config_errors():
+    """Start-up checks: a ValueError raised while checking the config (by the recipe's pure
+    rules, megatron's or torch's argument checks) is a config error, exit 2. Only here: after
+    start-up a ValueError is a bug and exits 1 with its traceback."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        locked = lock_run_dir(run_dir)
-    except RunDirBusy as exc:
-        raise TrainingError(
-            f"run.dir={run_dir} is in use by another trainer: {exc}; wait for it to end or stop "
-            "it (its lock goes with the process), or choose another run.dir",
-            ExitCode.RUN_DIR_IN_USE) from None
-    except UnsafeFile as exc:
-        raise TrainingError(f"run.dir={run_dir}: {exc}", ExitCode.RUN_DIR_UNWRITABLE) from None
-    except OSError as exc:
-        raise TrainingError(_unwritable_message("run.dir", run_dir, exc),
-                            ExitCode.RUN_DIR_UNWRITABLE) from None
-    if not locked:
-        log.warning(f"run.dir={run_dir}: the file system does not support locks; nothing "
-                    "stops a second trainer from writing into this run directory")
-    if cfg.run.resume == "never" and _holds_a_run(run_dir):  # a run that ended meanwhile
-        raise TrainingError(never, ExitCode.RUN_DIR_IN_USE)
-    if locked:  # no other writer: a temporary checkpoint here belongs to a dead one
-        for name in remove_stale_checkpoint_temporaries(run_dir / "checkpoints"):
-            log.warning(f"removed {run_dir / 'checkpoints' / name}: an unfinished checkpoint "
-                        "of a process that died")
-    config_path = run_dir / "config.yaml"
-    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    try:  # created, never written through an existing name (a link included)
-        if not os.path.lexists(config_path):
-            create_run_file(config_path, text)
-        elif read_run_file(config_path) != text:  # a resume with another config: keep both
-            n = 1
-            while os.path.lexists(run_dir / f"config.resume-{n}.yaml"):
-                n += 1
-            create_run_file(run_dir / f"config.resume-{n}.yaml", text)
-    except UnsafeFile as exc:
-        raise TrainingError(f"run.dir={run_dir}: {exc}", ExitCode.RUN_DIR_UNWRITABLE) from None
-    except OSError as exc:
-        raise TrainingError(_unwritable_message("run.dir", run_dir, exc),
-                            ExitCode.RUN_DIR_UNWRITABLE) from None
+        yield
+    except ProjectError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _unwritable_message(key: str, directory, exc: OSError) -> str:
-    where = f" ({exc.filename})" if exc.filename else ""
-    return (f"{key}={directory} cannot be written: {exc.strerror or exc}{where}; it must be a "
-            "writable directory (or a path where one can be created)")
-
-
-def _unwritable_key(exc: OSError, cfg) -> Optional[tuple[str, str]]:
-    """(key, directory) when an OSError concerns run.dir or data.cache_dir, else None."""
-    if not exc.filename:
-        return None
-    path = os.path.abspath(os.fsdecode(exc.filename))
-    for key, directory in (("run.dir", cfg.run.dir), ("data.cache_dir", cfg.data.cache_dir)):
-        root = os.path.abspath(str(directory))
-        if path == root or path.startswith(root + os.sep):
-            return key, str(directory)
-    return None
-
-
-def run(cfg) -> int:
-    """Entry point behind train.py: returns the process exit code."""
-    ctx = None
-    stop = StopSignal()
-    try:
-        cfg: TrainConfig = OmegaConf.to_object(cfg)
+def _start_up(raw) -> tuple[TrainConfig, ParallelContext, object]:
+    """The config checked against itself, the world and the machine, before anything is
+    written: (config, parallel context, GEMM preflight); (config, context, None) for a dry run."""
+    with _config_errors():
+        cfg: TrainConfig = OmegaConf.to_object(raw)
         if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
-            from .plan import dry_run, plan_world_size
+            from .plan import plan_world_size
 
             ctx = init_distributed(1, 1, cfg.parallel.backend)
             validate(cfg, plan_world_size(cfg))
-            return dry_run(cfg, ctx)
+            return cfg, ctx, None
         ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
         validate(cfg, ctx.world_size)  # every group, data files included: before anything is written
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
@@ -587,46 +490,51 @@ def run(cfg) -> int:
         preflight = run_preflight(cfg, backend, ctx.hardware)
         refusal = preflight.refusal()  # also: an override matching nothing
         if refusal:
-            raise ValueError(refusal)
+            raise ConfigError(refusal)
         if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
-            from .downstream import TaskUnavailable, UnknownTask, prepare_tasks
+            from .downstream import prepare_tasks
 
-            try:
-                prepare_tasks(list(cfg.evaluation.tasks))
-            except UnknownTask as exc:
-                raise TrainingError(str(exc), ExitCode.CONFIG) from None
-            except TaskUnavailable as exc:
-                raise TrainingError(str(exc), ExitCode.MISSING_DATA) from None
-        run_dir = prepare_run_dir(cfg, ctx)
+            prepare_tasks(list(cfg.evaluation.tasks))
+        return cfg, ctx, preflight
+
+
+def run(raw) -> int:
+    """Entry point behind train.py: returns the process exit code (errors.ExitCode).
+
+    A refusal the project foresaw (errors.ProjectError) is one `error:` line and its code; any
+    other exception propagates with its traceback (exit 1).
+    """
+    ctx = None
+    stop = StopSignal()
+    run_dir = Path(str(raw.run.dir))
+    try:
+        cfg, ctx, preflight = _start_up(raw)
+        if cfg.run.dry_run:
+            from .plan import dry_run
+
+            return dry_run(cfg, ctx)
+        prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
         return Trainer(cfg, ctx, stop, preflight).fit()
-    except TrainingError as exc:
+    except UnsafeFile as exc:  # metrics.jsonl, train.log planted as a link
+        log.error(f"error: run.dir={run_dir}: {exc}")
+        return exc.code
+    except ProjectError as exc:
         log.error(f"error: {exc}")
         return exc.code
-    except MissingDataError as exc:  # only the data's own check: never any FileNotFoundError
-        log.error(f"error: {exc}")
-        return ExitCode.MISSING_DATA
-    except WandbUnavailable as exc:
-        log.error(f"error: {exc}")
-        return ExitCode.WANDB_UNAVAILABLE
-    except UnsafeFile as exc:  # metrics.jsonl, train.log planted as a link
-        log.error(f"error: run.dir={cfg.run.dir}: {exc}")
-        return ExitCode.RUN_DIR_UNWRITABLE
     except KeyboardInterrupt:
         log.error("error: interrupted (a second SIGINT): stopped at once without a checkpoint; "
                   "run again to continue from the last one")
         return ExitCode.INTERRUPTED
-    except OSError as exc:
-        where = _unwritable_key(exc, cfg)
+    except OSError as exc:  # only an OSError on run.dir or data.cache_dir: the disk's refusal
+        where = run_dir_lib.unwritable_key(exc, (("run.dir", raw.run.dir),
+                                                     ("data.cache_dir", raw.data.cache_dir)))
         if where is None:
             raise
-        log.error(f"error: {_unwritable_message(*where, exc)}")
-        return ExitCode.RUN_DIR_UNWRITABLE
-    except ValueError as exc:
-        log.error(f"error: {exc}")
-        return ExitCode.CONFIG
+        log.error(f"error: {run_dir_lib.unwritable_message(*where, exc)}")
+        return ExitCode.UNWRITABLE
     finally:
         if ctx is not None:
-            release_run_dir(Path(cfg.run.dir))  # if this process took it
+            release_run_dir(run_dir)  # if this process took it
             shutdown()
         stop.restore()

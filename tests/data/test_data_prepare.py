@@ -7,6 +7,7 @@ import os
 import pytest
 
 import data.prepare as prep
+from errors import ExitCode
 from data.indexed import dataset_exists, open_indexed
 
 TEXTS = [
@@ -69,7 +70,7 @@ def test_strict_fails_naming_file_and_line(tmp_path, tiny_tokenizer, capsys):
     _jsonl(tmp_path / "in.jsonl", TEXTS, [b"{oops"])
     out = tmp_path / "ds"
     rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--strict", "--no-progress"])
-    assert rc == 1
+    assert rc == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'in.jsonl'}:5: malformed JSON" in capsys.readouterr().err.replace("\n", "")
     assert not os.path.exists(str(out) + ".bin") and not os.path.exists(str(out) + ".idx")
     assert _no_tmp(tmp_path)
@@ -96,7 +97,7 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch
 def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, monkeypatch,
                                                      capsys):
     """Even a crash inside commit (after .bin is in place) leaves no .idx: not a dataset; the
-    error is one line (exit 1)."""
+    error is one line (exit 8: the output cannot be written)."""
     _jsonl(tmp_path / "in.jsonl", TEXTS)
     real_replace = os.replace
 
@@ -108,7 +109,7 @@ def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, 
     monkeypatch.setattr(os, "replace", replace)
     out = tmp_path / "ds"
     assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
-                      "--no-progress"]) == 1
+                      "--no-progress"]) == ExitCode.UNWRITABLE
     assert capsys.readouterr().err.strip() == (f"error: --output {out} cannot be written: disk vanished; "
                                                 "no output written")
     assert not dataset_exists(str(out))
@@ -219,7 +220,7 @@ def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_to
     rc = prep.main([str(tmp_path / "latin1.txt"), "--tokenizer", tiny_tokenizer, "--text-doc", "line",
                     "--output", str(tmp_path / "ds"), "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == ExitCode.BAD_INPUT
     assert "no documents in the input: all 3 records were dropped, 3 as invalid (3 invalid UTF-8)" in err
     assert "latin1.txt:1: invalid UTF-8 at byte 3" in err
     assert not dataset_exists(str(tmp_path / "ds")) and _no_tmp(tmp_path)
@@ -296,7 +297,7 @@ def test_parquet_bad_values_are_counted_with_file_and_row(tmp_path, tiny_tokeniz
     assert meta["bad_records"] == {"field 'body' is null": 1, "invalid UTF-8": 1}
     assert meta["bad_examples"] == [f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null",
                                     f"{tmp_path / 'x.parquet'}:row 3: invalid UTF-8 at byte 3"]
-    assert prep.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == 1
+    assert prep.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null (--strict)" in capsys.readouterr().err
     assert not dataset_exists(str(tmp_path / "strict")) and _no_tmp(tmp_path)
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 import data.prepare as prep
+from errors import ExitCode
 from data.indexed import open_indexed
 from tests.helpers import unwritable_output
 
 REPO = Path(__file__).resolve().parents[2]
-EXIT_LOCKED = 5  # data.prepare's "another data.prepare holds the prefix" (README, docs/data.md)
 TEXTS = [f"document {i}: " + "alpha beta gamma " * (i % 7 + 1) for i in range(40)]
 OTHER = [f"another corpus {i}: delta epsilon" for i in range(25)]
 
@@ -81,7 +81,7 @@ def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
     seen = hook_first_batch(monkeypatch, second)
     assert prep.main(args([mine], tiny_tokenizer, out, "--batch-bytes", "200")) == 0
     proc = seen[0]
-    assert proc.returncode == EXIT_LOCKED, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.IN_USE, proc.stdout + proc.stderr
     line = one_error_line(proc.stderr)
     assert f"{out}: another data.prepare is writing it" in line and f"pid {os.getpid()}" in line
     assert decoded(out, tiny_tokenizer) == TEXTS
@@ -130,7 +130,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
     out.parent.mkdir()
     (os.symlink if link == "symlink" else os.link)(victim, f"{out}.lock")
     assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
-        EXIT_LOCKED
+        ExitCode.IN_USE
     assert f"{out}.lock" in one_error_line(capsys.readouterr().err)
     assert victim.read_text() == "precious"
     assert sorted(p.name for p in out.parent.iterdir()) == ["web.lock"]
@@ -212,19 +212,19 @@ def test_a_damaged_gzip_input_is_one_line_naming_the_file_and_the_offset(
     else:  # one flipped byte in the last 4 bytes' size field: the stream ends in a bad trailer
         gz.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
     out = tmp_path / "o" / "web"
-    assert prep.main(args([gz], tiny_tokenizer, out)) == prep.EXIT_INPUT
+    assert prep.main(args([gz], tiny_tokenizer, out)) == ExitCode.BAD_INPUT
     line = one_error_line(capsys.readouterr().err)
     assert f"{gz}: " in line and "byte" in line and "no output written" in line
     assert not out.parent.exists() or not list(out.parent.iterdir())
 
 
 @pytest.mark.parametrize("where", ["sysfs", "under_a_file"])
-def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, tiny_tokenizer,
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_8(tmp_path, tiny_tokenizer,
                                                                  capsys, where):
     out = unwritable_output(where, tmp_path, "nvfp4-data") / "web"
     corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
     before = files_under(tmp_path)
-    assert prep.main(args([corpus], tiny_tokenizer, out)) == prep.EXIT_INPUT
+    assert prep.main(args([corpus], tiny_tokenizer, out)) == ExitCode.UNWRITABLE
     assert f"--output {out} cannot be written" in one_error_line(capsys.readouterr().err)
     assert files_under(tmp_path) == before
 
@@ -241,6 +241,22 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tmp_path, tiny_token
     monkeypatch.setattr(IndexedWriter, "add_document", full)
     out = tmp_path / "o" / "web"
     assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
-        prep.EXIT_INPUT
+        ExitCode.UNWRITABLE
     assert "No space left on device" in one_error_line(capsys.readouterr().err)
     assert not list(out.parent.iterdir())
+
+
+def test_sigterm_while_tokenizing_exits_143_and_leaves_nothing(tmp_path, tiny_tokenizer,
+                                                               monkeypatch, capsys):
+    """Slurm's scancel (SIGTERM) mid-run: one line, ExitCode.TERMINATED, no output and no
+    temporaries (the handler unwinds through the writer's clean-up)."""
+    import signal
+
+    out = tmp_path / "o" / "web"
+    hook_first_batch(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    rc = prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out,
+                        "--batch-bytes", "200"))
+    assert rc == ExitCode.TERMINATED == 143
+    assert "terminated (SIGTERM): no output written" in one_error_line(capsys.readouterr().err)
+    assert not out.parent.exists() or not list(out.parent.iterdir())
+    assert signal.getsignal(signal.SIGTERM) is not prep._on_sigterm  # the handler was restored

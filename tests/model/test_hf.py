@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
-from helpers import model_config  # noqa: E402
+from helpers import model_config, model_full_tensors  # noqa: E402
 from train_helpers import FAST, REPO, run_train  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_project_logits_match_transformers_with_fp32_gemms(parallel_context, mon
         for i, kind in enumerate(TINY.layer_kinds()):
             if kind == "mamba":
                 ours.decoder.layers[i].mixer.dt_bias[0] = -9.0
-    state = hf.to_hf(hf.model_full_tensors(ours), TINY, VOCAB)
+    state = hf.to_hf(model_full_tensors(ours), TINY, VOCAB)
     assert state["lm_head.weight"].shape == (VOCAB, TINY.hidden_size)  # padding stripped
     theirs = _hf_model(TINY, VOCAB)
     theirs.load_state_dict(state, strict=True)
@@ -121,7 +121,7 @@ def test_transformers_to_project_to_transformers_is_bit_identical(parallel_conte
     ours = _project_model(cfg, torch.bfloat16)
     hf.load_hf_weights(ours, cfg, VOCAB)
     ours.to(torch.bfloat16)  # what megatron's Float16Module does next in the trainer (D is FP32)
-    back = hf.to_hf(hf.model_full_tensors(ours), cfg, VOCAB)
+    back = hf.to_hf(model_full_tensors(ours), cfg, VOCAB)
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
@@ -234,7 +234,7 @@ def test_12b_config_json_matches_the_published_card(parallel_context, tmp_path):
         ours = build_model(cfg, PrecisionConfig(), vocab_size=131072, initialize=False,
                            backend="emulated").module
     assert sum(p.numel() for p in theirs.parameters()) == 12_310_001_152  # the card's 12.31B
-    state = hf.to_hf(hf.model_full_tensors(ours), cfg, 131072)
+    state = hf.to_hf(model_full_tensors(ours), cfg, 131072)
     expected = theirs.state_dict()
     assert state.keys() == expected.keys()
     assert all(state[k].shape == expected[k].shape for k in expected)

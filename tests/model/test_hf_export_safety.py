@@ -22,7 +22,7 @@ from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from training import hf_export  # noqa: E402
 
-from tests.helpers import unwritable_output  # noqa: E402
+from tests.helpers import model_full_tensors, unwritable_output  # noqa: E402
 
 TINY = ModelConfig(pattern="M-*", hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, kv_channels=16, mamba_num_heads=8, mamba_head_dim=16,
@@ -37,7 +37,7 @@ def tiny_weights(parallel_context):
     torch.manual_seed(0)
     model = build_model(TINY, PrecisionConfig(), vocab_size=TINY.vocab_size, backend="emulated",
                         params_dtype=torch.bfloat16).module
-    return {k: v.clone() for k, v in hf.model_full_tensors(model).items()}
+    return {k: v.clone() for k, v in model_full_tensors(model).items()}
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
+from helpers import model_full_tensors  # noqa: E402
 from model import hf, hf_nvfp4  # noqa: E402
 from model.build import build_model, precision_policy  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
@@ -63,7 +64,7 @@ def trained(parallel_context):
         for step in range(2):
             model(torch.randint(0, VOCAB, (2, 32)), None, None)
             recorder.end_step()
-    return {k: v.clone() for k, v in hf.model_full_tensors(model).items()}, recorder.state_dict()
+    return {k: v.clone() for k, v in model_full_tensors(model).items()}, recorder.state_dict()
 
 
 def write_run(root: Path, tokenizer: str, weights, amax_state, prec: PrecisionConfig,

@@ -162,16 +162,16 @@ def _prepare(run_dir: Path):
 
 @pytest.mark.parametrize("plant", ["symlink", "dangling_symlink"])
 def test_the_config_copy_is_never_written_through_a_link(tmp_path, plant):
-    from training.trainer import ExitCode, TrainingError
+    from errors import ExitCode, ProjectError
 
     victim, before = _victim(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     target = victim if plant == "symlink" else tmp_path / "created-through-the-link"
     (run_dir / "config.yaml").symlink_to(target)
-    with pytest.raises(TrainingError) as err:
+    with pytest.raises(ProjectError) as err:
         _prepare(run_dir)
-    assert err.value.code == ExitCode.RUN_DIR_UNWRITABLE
+    assert err.value.code == ExitCode.UNWRITABLE
     assert "config.yaml" in str(err.value) and "symbolic link" in str(err.value)
     assert victim.read_bytes() == before
     assert not (tmp_path / "created-through-the-link").exists()

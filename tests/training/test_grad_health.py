@@ -115,9 +115,9 @@ def test_nan_born_in_an_input_gradient_is_pinned_on_the_layer_not_the_one_below(
         return args, kwargs
 
     trainer.core.decoder.layers[5].register_forward_pre_hook(nan_input_grad, with_kwargs=True)
-    from training.trainer import TrainingError
+    from errors import ProjectError
 
-    with pytest.raises(TrainingError) as err:
+    with pytest.raises(ProjectError) as err:
         trainer.train_step(trainer.data.train.next_global_batch())
     assert err.value.code == 4
     assert "first non-finite gradient in backward order: layer_05.mamba" in str(err.value)

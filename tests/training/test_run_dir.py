@@ -176,7 +176,6 @@ def test_wandb_online_without_a_key_or_a_server_exits_9_at_once(tmp_path, proble
     if problem == "no_server":  # a key, and nothing listening where the server should be
         env.update(WANDB_API_KEY="0" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
     run_dir = tmp_path / "run"
-    start = time.time()
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"run.dir={run_dir}", *FAST,
                            "logger.mode=online"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=180)
@@ -185,7 +184,9 @@ def test_wandb_online_without_a_key_or_a_server_exits_9_at_once(tmp_path, proble
     line = _one_error_line(out)
     assert "logger.mode=online" in line
     assert ("no W&B API key" in line) if problem == "no_api_key" else ("W&B did not" in line)
-    assert time.time() - start < 60
+    # "At once": before the model is built (no wall-clock bound: a loaded CI machine takes a
+    # minute to import torch; a hang would hit the subprocess timeout above).
+    assert "model paths:" not in out
     assert not run_dir.exists()  # refused before anything was written
 
 
@@ -210,7 +211,7 @@ def test_only_data_errors_map_to_missing_data(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         trainer.run(raw)
     monkeypatch.setattr(trainer, "Trainer", failing_trainer(tmp_path / "run" / "checkpoints"))
-    assert trainer.run(raw) == trainer.ExitCode.RUN_DIR_UNWRITABLE
+    assert trainer.run(raw) == trainer.ExitCode.UNWRITABLE
 
 
 # -- SIGINT -----------------------------------------------------------------------------------
