@@ -11,9 +11,10 @@ import random
 
 import numpy as np
 import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 import data.prepare as prep
-from data.indexed import dataset_exists, open_indexed
+from data.indexed import open_indexed
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -290,4 +291,4 @@ phases:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step_0000003" in proc.stdout
     assert step_losses(resumed) == expected
-    assert not any(dataset_exists(str(p)[:-4]) for p in (tmp_path / "d").glob("*.tmp-*"))
+    assert not any(IndexedDataset.exists(str(p)[:-4]) for p in (tmp_path / "d").glob("*.tmp-*"))
