@@ -2,19 +2,30 @@
 
     python -m studies.ablations --jobs 2                # the study (resumable), then the report
     python -m studies.ablations --seeds 1 2 3 --steps 80 --jobs 2   # other seeds / length
+    python -m studies.ablations --jobs 2 evaluation=demo   # + downstream scores per recipe
     python -m studies.ablations --report-only           # rebuild docs/ablations/ from existing runs
 
 Every run is `train.py experiment=ablations precision=<config> trainer.seed=<seed>`, one per
 precision recipe in recipes/precision/ (`--steps` sets trainer.max_steps), so all configs of one
-seed see the same data order and the same initial weights. Runs live in `<runs-dir>/<config>-s<seed>/`
-(default runs/ablations/, gitignored). A run whose metrics.jsonl holds the final step with its
-val_loss is skipped; an interrupted one resumes from its newest checkpoint (run.resume=auto); one
-that stopped on a NaN/Inf loss (exit 4) is recorded as diverged and not retried.
+seed see the same data order and the same initial weights. Hydra overrides (key=value words among
+the flags) go to every run: `evaluation=demo` (or `evaluation.tasks=[...] evaluation.limit=N`)
+scores each run on lm-eval tasks at its last step, `model=...` or `trainer.seq_length=...` change
+the scale. Keys the study sets per run (precision, trainer.seed, run.dir, the step counts) are
+refused. Runs live in `<runs-dir>/<config>-s<seed>/` (default runs/ablations/, gitignored); a run
+dir trained with another --steps or other overrides is refused (pass another --runs-dir). A run
+whose metrics.jsonl holds the final step with its val_loss (and its downstream scores, when it
+evaluates) is skipped; an interrupted one resumes from its newest checkpoint (run.resume=auto);
+one that stopped on a NaN/Inf loss (exit 4) is recorded as diverged and not retried.
 
 The report (docs/ablations/ by default): val_loss.png (relative validation-loss gap to BF16 vs
 tokens, mean over seeds), train_loss.png (the same for the smoothed training loss), results.json,
-and README.md (table, command, machine, wall time, the paper's orderings checked against the seed
-noise measured here, plus the hand-written reading in reading.md when present).
+and README.md (studies/templates/ablations.md.j2: table, downstream scores when the runs have
+them, command, machine, wall time, the paper's orderings checked against the seed noise measured
+here, plus the hand-written headline.md and reading.md when present).
+
+Exit codes (errors.ExitCode): 0 every run finished or diverged; 2 a bad flag or override, or a run
+dir of another study; 3 --report-only without runs; 130 Ctrl-C (the runs checkpointed first);
+else the first failed run's own train.py code.
 """
 
 from __future__ import annotations
