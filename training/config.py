@@ -251,12 +251,7 @@ def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
     """The pure checks that involve more than one group, or the world size (ConfigError)."""
     _check_plan(cfg.plan)
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
-    if world_size % (t * p):
-        raise ConfigError(
-            f"parallel.tensor={t} x parallel.pipeline={p} must divide the world size "
-            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
-        )
-    dp = world_size // (t * p)
+    dp = data_parallel_size(t, p, world_size)
     tr = cfg.trainer
     if tr.global_batch_size % (tr.micro_batch_size * dp):
         raise ConfigError(
@@ -281,6 +276,17 @@ def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def data_parallel_size(tensor: int, pipeline: int, world_size: int) -> int:
+    """world size / (tensor x pipeline), or ConfigError when it does not divide: `validate`'s
+    check, and init_distributed's before megatron splits the process group."""
+    if world_size % (tensor * pipeline):
+        raise ConfigError(
+            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} must divide the world size "
+            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
+        )
+    return world_size // (tensor * pipeline)
 
 
 def _check_plan(plan: PlanConfig) -> None:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from model.device import Hardware, cuda_present, probe_hardware
 
+from .config import data_parallel_size
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -67,11 +69,7 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> Paral
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tensor * pipeline):
-        raise ValueError(
-            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} does not divide the "
-            f"world size {world}"
-        )
+    data_parallel_size(tensor, pipeline, world)  # megatron's own refusal would be a RuntimeError
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline
