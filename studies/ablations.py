@@ -245,7 +245,7 @@ def run_study(args) -> int:
     console.print(f"ablation study: {len(plan)} runs ({len(plan) - len(todo)} already finished), "
                   f"{args.steps} steps each, {args.jobs} at a time x {threads} threads; "
                   f"runs in {runs_dir}/")
-    failed: list[str] = []
+    failed: dict[str, int] = {}  # run -> its exit code
     t_study = time.time()
     columns = [TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn()]
@@ -276,7 +276,7 @@ def run_study(args) -> int:
                     del active[name]
                     msg = f"{name}: {state} (exit {proc.returncode}, {status['wall_s']:.0f} s this far)"
                     if state not in ("done", "diverged"):
-                        failed.append(proc.returncode)
+                        failed[name] = proc.returncode
                         msg = f"[red]{msg}: see {run_dir}/stdout.log"
                     progress.console.log(msg)
         except KeyboardInterrupt:
@@ -299,8 +299,8 @@ def run_study(args) -> int:
                                  wall_s=round(time.time() - t_study, 1))
     study_file.write_text(json.dumps(study, indent=1))
     console.print(f"study session: {time.time() - t_study:.0f} s; "
-                  + (f"[red]{len(failed)} run(s) failed" if failed else "all runs finished"))
-    return failed_exit_code(failed)
+                  + (f"[red]failed: {', '.join(failed)}" if failed else "all runs finished"))
+    return failed_exit_code(list(failed.values()))
 
 
 def failed_exit_code(codes: list[int]) -> ExitCode:
