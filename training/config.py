@@ -26,6 +26,7 @@ from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers
 
+from .distributed import data_parallel_size
 from .plan import PlanConfig
 
 
@@ -276,17 +277,6 @@ def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def data_parallel_size(tensor: int, pipeline: int, world_size: int) -> int:
-    """world size / (tensor x pipeline), or ConfigError when it does not divide: `validate`'s
-    check, and init_distributed's before megatron splits the process group."""
-    if world_size % (tensor * pipeline):
-        raise ConfigError(
-            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} must divide the world size "
-            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
-        )
-    return world_size // (tensor * pipeline)
 
 
 def _check_plan(plan: PlanConfig) -> None:

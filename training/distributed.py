@@ -10,9 +10,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from errors import ConfigError
 from model.device import Hardware, cuda_present, probe_hardware
-
-from .config import data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def data_parallel_size(tensor: int, pipeline: int, world_size: int) -> int:
+    """world size / (tensor x pipeline), or ConfigError when it does not divide: the config's
+    `validate` checks it, and init_distributed before megatron splits the process group."""
+    if world_size % (tensor * pipeline):
+        raise ConfigError(
+            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} must divide the world size "
+            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
+        )
+    return world_size // (tensor * pipeline)
 
 
 def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> ParallelContext:

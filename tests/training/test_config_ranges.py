@@ -15,7 +15,8 @@ from data.config import DataConfigError
 from errors import ConfigError
 from field_ranges import RANGE, at_least
 from nvfp4_recipe.policy import PrecisionConfig, SwitchToBF16Config
-from training.config import TrainConfig, data_parallel_size, validate
+from training.config import TrainConfig, validate
+from training.distributed import data_parallel_size
 from training.plan import PlanConfig
 
 # (key, a value out of its range); each must be refused with a message naming the key.
