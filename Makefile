@@ -92,7 +92,7 @@ gpu-wheels: setup  ## download the offline wheelhouse for launch/gpu_check.sh in
 		echo "gpu-wheels: $$W holds $$MIB MiB, over the $(GPU_WHEELS_MAX_MIB) MiB limit" >&2; exit 1; fi; \
 	echo "gpu-wheels: $$W holds $$(ls "$$W" | wc -l) wheels, $$MIB MiB (limit $(GPU_WHEELS_MAX_MIB) MiB)"
 
-ablations: setup
+ablations: setup  ## the precision ablation -> docs/ablations/; ARGS="--jobs 2 evaluation=demo" adds downstream scores
 	$(PY) -m studies.ablations $(ARGS)
 
 components: setup  ## the component study on captured tensors -> docs/components/ (~10 min on 2 cores)

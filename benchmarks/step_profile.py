@@ -11,11 +11,12 @@ Two measurements, every case interleaved with the others round by round (medians
 rounds of `steps` steps), so load changes hit all cases alike:
 - variants: BF16; NVFP4 as configured; and NVFP4 with one component off at a time (stochastic
   rounding, RHT, 16x16 weight tiles): each difference is what that component costs;
-- parts: wall time inside each labelled region (nvfp4_recipe/parts.py; the innermost label owns
-  the time): the emulated linears' quantizers, their SR draws, the Wgrad transposes with the RHT,
-  the emulated GEMMs (forward and backward: they are autograd Functions), the Mamba scan
-  (forward only), gradient sync + clipping, the optimizer. "Rest of the step" is everything
-  unlabelled: BF16 GEMMs, attention, conv1d, norms, the scan's and attention's backward, autograd.
+- parts: wall time inside the functions that do each part (benchmarks/part_timer.py: hooks
+  installed for the profile only; the innermost part owns the time): the emulated linears'
+  quantizers, their SR draws, the Wgrad transposes with the RHT, the emulated GEMMs (forward and
+  backward: they are autograd Functions), the Mamba scan (forward only), gradient sync +
+  clipping, the optimizer. "Rest of the step" is everything else: BF16 GEMMs, attention, conv1d,
+  norms, the scan's and attention's backward, autograd.
 torch.profiler is not used: its ~10 us per op made an NVFP4 step 7.7x slower, which distorts
 exactly the many-small-op parts this is meant to measure.
 """
@@ -32,9 +33,9 @@ from pathlib import Path
 import torch
 
 from nvfp4_recipe.compute import GEMM_COMPUTE
-from nvfp4_recipe.parts import PartTimer, part
 
 from .machine import MachineLoad, machine_summary
+from .part_timer import PartTimer
 
 VARIANTS = {  # name -> (format, PrecisionConfig field overrides, trainer.recompute)
     "bf16": ("bf16", {}, "none"),
@@ -100,7 +101,7 @@ class _TalliedGemms:
         return self.mode if self.mode is not None else self.gemm.context()
 
 
-def _step(core, model, optimizer, batches, hidden, ctx, gemm) -> None:
+def _step(core, model, optimizer, batches, hidden, ctx, gemm, timer: PartTimer) -> None:
     from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
     from training.schedules import run_micro_batches
 
@@ -108,10 +109,10 @@ def _step(core, model, optimizer, batches, hidden, ctx, gemm) -> None:
     optimizer.zero_grad()
     refresh_quantized_weights(modules_with_weight_cache(core))
     run_micro_batches(model, batches, ctx, (256, 4, hidden), gemm=gemm)
-    with part("step/grad_clip"):
+    with timer.region("step/grad_clip"):
         optimizer.prepare_grads()
         optimizer.clip_grad_norm(1.0)
-    with part("step/optimizer"):
+    with timer.region("step/optimizer"):
         optimizer.step_with_ready_grads()
 
 
@@ -123,25 +124,27 @@ def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | No
     try:
         gemm = _TalliedGemms(ctx.hardware.gemm_compute(gemm_compute))
         setups = {v: _demo_setup(v, ctx, hidden_size) for v in variants}
-        for v in variants:  # warm-up: compiled kernels, allocator
-            for _ in range(2):
-                _step(*setups[v], ctx, gemm)
-        tally_before = dict(gemm.mode.counts) if gemm.mode else {}
-        meter = MachineLoad().start()
-        times = defaultdict(list)
-        parts = {v: defaultdict(list) for v in variants}
-        for _ in range(repeats):
-            for v in variants:  # interleaved: a load change hits every variant alike
-                for _ in range(steps):
-                    with PartTimer() as timer:
+        with PartTimer() as timer:
+            for v in variants:  # warm-up: compiled kernels, allocator
+                for _ in range(2):
+                    _step(*setups[v], ctx, gemm, timer)
+            timer.take()
+            tally_before = dict(gemm.mode.counts) if gemm.mode else {}
+            meter = MachineLoad().start()
+            times = defaultdict(list)
+            parts = {v: defaultdict(list) for v in variants}
+            for _ in range(repeats):
+                for v in variants:  # interleaved: a load change hits every variant alike
+                    for _ in range(steps):
                         start = time.perf_counter()
-                        _step(*setups[v], ctx, gemm)
+                        _step(*setups[v], ctx, gemm, timer)
                         wall = time.perf_counter() - start
-                    times[v].append(wall)
-                    for name, seconds in timer.seconds.items():
-                        parts[v][name].append(seconds)
-                    parts[v]["rest of the step"].append(wall - sum(timer.seconds.values()))
-        load = meter.stop()
+                        seconds, _ = timer.take()
+                        times[v].append(wall)
+                        for name, value in seconds.items():
+                            parts[v][name].append(value)
+                        parts[v]["rest of the step"].append(wall - sum(seconds.values()))
+            load = meter.stop()
     finally:
         shutdown()
     timed_steps = steps * repeats * len(variants)

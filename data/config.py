@@ -11,16 +11,22 @@ A prefix with glob characters (``/data/web/web_shard*``, the shards of ``data.pr
 stands for every dataset it matches, in natural order (``shard2`` before ``shard10``); at start-up
 every match must have its ``.bin``, ``.idx`` and sidecar ``.json``, and no shard of a split may be
 missing. Matches that hold no document (an empty shard) are left out.
+
+Checks, pure ones first: each schema checks its own fields when it is built (``__post_init__``,
+which ``OmegaConf.to_object`` runs; a numeric field's range is declared on the field,
+``field_ranges``), ``DataConfig`` its categories' and phases' entries under their keys;
+``check_runnable`` that there is something to train on (the schema's default is empty);
+``check_files_exist`` the files. ``validate_config`` runs the last two, files first.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from errors import ConfigError, ExitCode
+from field_ranges import at_least, check_fields, is_number, within
 
 DEMO_PREFIX = "demo:"
 DEMO_CATEGORIES = ("prose", "code", "math")
@@ -56,7 +62,7 @@ class PhaseConfig:
     (relative; normalised within the phase). Leave a category out to give it no samples."""
 
     name: str = "phase"
-    end_fraction: float = 1.0
+    end_fraction: float = field(default=1.0, metadata=within(0, 1, low_open=True))
     weights: Dict[str, float] = field(default_factory=dict)
 
 
@@ -64,11 +70,19 @@ class PhaseConfig:
 class DemoConfig:
     """Settings of the embedded demo corpus (only used by ``demo:`` prefixes / ``tokenizer: null``)."""
 
-    vocab_size: int = 4096
-    code_max_bytes: int = 2_000_000  # cap on standard-library code; keeps preparation < ~15 s
-    math_documents: int = 1500  # generated arithmetic worksheets
-    seed: int = 1234  # seed of the arithmetic generator
-    val_fraction: float = 0.03  # the last documents holding ~3% of each category's bytes are held out
+    # Above the tokenizer's 256 byte tokens and its special tokens.
+    vocab_size: int = field(default=4096, metadata=at_least(300))
+    # Cap on standard-library code; keeps preparation < ~15 s.
+    code_max_bytes: int = field(default=2_000_000, metadata=at_least(1))
+    # Generated arithmetic worksheets (enough for a held-out part).
+    math_documents: int = field(default=1500, metadata=at_least(10))
+    seed: int = field(default=1234, metadata=at_least(0))  # seed of the arithmetic generator
+    # The last documents holding ~3% of each category's bytes are held out.
+    val_fraction: float = field(default=0.03, metadata=within(0, 0.5, low_open=True,
+                                                                high_open=True))
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.demo", DataConfigError)
 
 
 @dataclass
@@ -84,8 +98,75 @@ class DataConfig:
     validation: Dict[str, List[str]] = field(default_factory=dict)
     phases: List[PhaseConfig] = field(default_factory=list)
     # Tokens the phase fractions refer to; None = the trainer's max_steps * global_batch * seq.
-    total_tokens: Optional[int] = None
+    total_tokens: Optional[int] = field(default=None, metadata=at_least(1))
     demo: DemoConfig = field(default_factory=DemoConfig)
+
+    def __post_init__(self) -> None:
+        """Every field and every entry of categories, phases and validation (empty ones are
+        refused by `check_runnable`: the schema's default has none)."""
+        check_fields(self, "data", DataConfigError)
+        for cat, cc in self.categories.items():
+            key = f"data.categories.{cat}"
+            check_fields(cc, key, DataConfigError)
+            if not cc.prefixes:
+                raise DataConfigError(f"{key}.prefixes is empty: list at least one dataset prefix")
+            for j, p in enumerate(cc.prefixes):
+                _check_prefix_syntax(f"{key}.prefixes[{j}]", p)
+            if cc.weights is not None:
+                if len(cc.weights) != len(cc.prefixes):
+                    raise DataConfigError(
+                        f"{key}.weights has {len(cc.weights)} entries but {key}.prefixes has "
+                        f"{len(cc.prefixes)}: give one weight per prefix, or null for "
+                        "size-proportional"
+                    )
+                for j, w in enumerate(cc.weights):
+                    if not _positive(w):
+                        raise DataConfigError(
+                            f"{key}.weights[{j}] = {w!r}: weights must be positive finite numbers "
+                            f"(remove the prefix instead of giving it weight 0)"
+                        )
+        if self.phases and not self.categories:
+            raise _no_categories()
+        prev = 0.0
+        names = set()
+        for i, ph in enumerate(self.phases):
+            key = f"data.phases[{i}] ({ph.name!r})"
+            if ph.name in names:
+                raise DataConfigError(f"{key}: duplicate phase name {ph.name!r}; phase names must "
+                                      "be unique")
+            names.add(ph.name)
+            check_fields(ph, key, DataConfigError)
+            if ph.end_fraction <= prev:
+                raise DataConfigError(
+                    f"{key}.end_fraction = {ph.end_fraction} is not greater than the previous "
+                    f"phase's {prev}: end fractions must be strictly increasing"
+                )
+            prev = ph.end_fraction
+            if not ph.weights:
+                raise DataConfigError(f"{key}.weights is empty: give at least one category a "
+                                      "weight")
+            for cat, w in ph.weights.items():
+                if cat not in self.categories:
+                    raise DataConfigError(
+                        f"{key}.weights: unknown category {cat!r}; defined categories are "
+                        f"{sorted(self.categories)} (add it under data.categories or remove it)"
+                    )
+                if not _positive(w):
+                    raise DataConfigError(
+                        f"{key}.weights.{cat} = {w!r}: weights must be positive finite numbers "
+                        f"(leave the category out of the phase to give it no samples)"
+                    )
+        if self.phases and abs(self.phases[-1].end_fraction - 1.0) > 1e-12:
+            raise DataConfigError(
+                f"data.phases[{len(self.phases) - 1}] ({self.phases[-1].name!r}).end_fraction = "
+                f"{self.phases[-1].end_fraction}: the last phase must end at 1.0"
+            )
+        for group, prefixes in self.validation.items():
+            if not prefixes:
+                raise DataConfigError(f"data.validation.{group} is empty: list prefixes or remove "
+                                      "the group")
+            for j, p in enumerate(prefixes):
+                _check_prefix_syntax(f"data.validation.{group}[{j}]", p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,92 +197,50 @@ def to_data_config(cfg: Any) -> DataConfig:
 
 
 def _positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    return is_number(x) and x > 0
+
+
+def _no_categories() -> DataConfigError:
+    return DataConfigError("data.categories is empty: define at least one category with "
+                           "prefixes, or use a recipe (data=demo)")
+
+
+def check_runnable(cfg: DataConfig) -> None:
+    """Something to train on, at least one category and one phase (the schema's default has
+    none), and demo prefixes only with the demo tokenizer. Run after the files are checked: a
+    missing tokenizer is reported as missing, not as disagreeing with the demo prefixes."""
+    if not cfg.categories:
+        raise _no_categories()
+    if not cfg.phases:
+        raise DataConfigError("data.phases is empty: define at least one phase ending at "
+                              "end_fraction 1.0")
+    if cfg.tokenizer is not None:
+        for key, prefix in _prefix_entries(cfg):
+            if prefix.startswith(DEMO_PREFIX):
+                raise DataConfigError(
+                    f"{key} = {prefix!r} is tokenized with the demo tokenizer, but data.tokenizer "
+                    f"= {cfg.tokenizer!r}: set data.tokenizer=null to use the demo corpus"
+                )
 
 
 def validate_config(cfg: DataConfig, check_files: bool = False, demo_dir: Optional[str] = None) -> None:
-    """Raise DataConfigError naming the first bad key. ``check_files``: also require every
-    non-demo prefix (and the tokenizer) on disk; demo prefixes are checked when ``demo_dir`` is
-    given."""
-    if check_files:  # first: a missing tokenizer is the problem, not what disagrees with it
-        _check_tokenizer_exists(cfg)
-    if not cfg.categories:
-        raise DataConfigError(
-            "data.categories is empty: define at least one category with prefixes, "
-            "or use a recipe (data=demo)"
-        )
-    for cat, cc in cfg.categories.items():
-        key = f"data.categories.{cat}"
-        if not cc.prefixes:
-            raise DataConfigError(f"{key}.prefixes is empty: list at least one dataset prefix")
-        for j, p in enumerate(cc.prefixes):
-            _check_prefix_syntax(f"{key}.prefixes[{j}]", p, cfg)
-        if cc.weights is not None:
-            if len(cc.weights) != len(cc.prefixes):
-                raise DataConfigError(
-                    f"{key}.weights has {len(cc.weights)} entries but {key}.prefixes has "
-                    f"{len(cc.prefixes)}: give one weight per prefix, or null for size-proportional"
-                )
-            for j, w in enumerate(cc.weights):
-                if not _positive(w):
-                    raise DataConfigError(
-                        f"{key}.weights[{j}] = {w!r}: weights must be positive finite numbers "
-                        f"(remove the prefix instead of giving it weight 0)"
-                    )
-    if not cfg.phases:
-        raise DataConfigError("data.phases is empty: define at least one phase ending at end_fraction 1.0")
-    prev = 0.0
-    names = set()
-    for i, ph in enumerate(cfg.phases):
-        key = f"data.phases[{i}] ({ph.name!r})"
-        if ph.name in names:
-            raise DataConfigError(f"{key}: duplicate phase name {ph.name!r}; phase names must be unique")
-        names.add(ph.name)
-        ef = ph.end_fraction
-        if not isinstance(ef, (int, float)) or not math.isfinite(ef) or not (0.0 < ef <= 1.0):
-            raise DataConfigError(f"{key}.end_fraction = {ef!r}: must be in (0, 1]")
-        if ef <= prev:
-            raise DataConfigError(
-                f"{key}.end_fraction = {ef} is not greater than the previous phase's {prev}: "
-                f"end fractions must be strictly increasing"
-            )
-        prev = ef
-        if not ph.weights:
-            raise DataConfigError(f"{key}.weights is empty: give at least one category a weight")
-        for cat, w in ph.weights.items():
-            if cat not in cfg.categories:
-                raise DataConfigError(
-                    f"{key}.weights: unknown category {cat!r}; defined categories are "
-                    f"{sorted(cfg.categories)} (add it under data.categories or remove it)"
-                )
-            if not _positive(w):
-                raise DataConfigError(
-                    f"{key}.weights.{cat} = {w!r}: weights must be positive finite numbers "
-                    f"(leave the category out of the phase to give it no samples)"
-                )
-    if abs(cfg.phases[-1].end_fraction - 1.0) > 1e-12:
-        raise DataConfigError(
-            f"data.phases[{len(cfg.phases) - 1}] ({cfg.phases[-1].name!r}).end_fraction = "
-            f"{cfg.phases[-1].end_fraction}: the last phase must end at 1.0"
-        )
-    if cfg.total_tokens is not None and (not isinstance(cfg.total_tokens, int) or cfg.total_tokens <= 0):
-        raise DataConfigError(f"data.total_tokens = {cfg.total_tokens!r}: must be a positive integer or null")
-    for group, prefixes in cfg.validation.items():
-        if not prefixes:
-            raise DataConfigError(f"data.validation.{group} is empty: list prefixes or remove the group")
-        for j, p in enumerate(prefixes):
-            _check_prefix_syntax(f"data.validation.{group}[{j}]", p, cfg)
-    d = cfg.demo
-    if d.vocab_size < 300 or not (0.0 < d.val_fraction < 0.5) or d.code_max_bytes <= 0 or d.math_documents < 10:
-        raise DataConfigError(
-            f"data.demo = {d}: need vocab_size >= 300, 0 < val_fraction < 0.5, "
-            f"code_max_bytes > 0, math_documents >= 10"
-        )
+    """The data group's checks after its schema's own, for data's commands: with
+    ``check_files`` every non-demo prefix and the tokenizer on disk (demo prefixes too when
+    ``demo_dir`` is given; MissingDataError, exit 3), then `check_runnable` (DataConfigError)."""
     if check_files:
         check_files_exist(cfg, demo_dir)
+    check_runnable(cfg)
 
 
-def _check_prefix_syntax(key: str, prefix: str, cfg: DataConfig) -> None:
+def _prefix_entries(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(key, prefix) of every category and validation prefix."""
+    entries = [(f"data.categories.{c}.prefixes[{j}]", p)
+               for c, cc in cfg.categories.items() for j, p in enumerate(cc.prefixes)]
+    return entries + [(f"data.validation.{g}[{j}]", p)
+                      for g, ps in cfg.validation.items() for j, p in enumerate(ps)]
+
+
+def _check_prefix_syntax(key: str, prefix: str) -> None:
     if not isinstance(prefix, str) or not prefix:
         raise DataConfigError(f"{key} = {prefix!r}: a prefix must be a non-empty path string")
     if prefix.startswith(DEMO_PREFIX):
@@ -210,11 +249,6 @@ def _check_prefix_syntax(key: str, prefix: str, cfg: DataConfig) -> None:
             raise DataConfigError(
                 f"{key} = {prefix!r}: unknown demo dataset {name!r}; choose one of "
                 f"{[DEMO_PREFIX + n for n in DEMO_DATASETS]}"
-            )
-        if cfg.tokenizer is not None:
-            raise DataConfigError(
-                f"{key} = {prefix!r} is tokenized with the demo tokenizer, but data.tokenizer = "
-                f"{cfg.tokenizer!r}: set data.tokenizer=null to use the demo corpus"
             )
     elif prefix.endswith((".bin", ".idx")):
         raise DataConfigError(f"{key} = {prefix!r}: give the prefix without the .bin/.idx extension")
@@ -272,9 +306,7 @@ def expand_prefix(key: str, prefix: str, demo_dir: Optional[str] = None) -> List
 def check_files_exist(cfg: DataConfig, demo_dir: Optional[str] = None) -> None:
     """Raise MissingDataError naming the first missing dataset file or tokenizer."""
     _check_tokenizer_exists(cfg)
-    entries = [(f"data.categories.{c}.prefixes[{j}]", p) for c, cc in cfg.categories.items() for j, p in enumerate(cc.prefixes)]
-    entries += [(f"data.validation.{g}[{j}]", p) for g, ps in cfg.validation.items() for j, p in enumerate(ps)]
-    for key, p in entries:
+    for key, p in _prefix_entries(cfg):
         if p.startswith(DEMO_PREFIX) and demo_dir is None:
             continue
         paths = expand_prefix(key, p, demo_dir)

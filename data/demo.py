@@ -1,12 +1,16 @@
-"""The embedded demo corpus: three categories from text every CPython install carries.
+"""The embedded demo corpus: three categories, the same bytes on every Python version.
 
-- ``prose``: English prose about Python from ``pydoc_data.topics`` (79 topics, ~465 KB), one
-  document per topic.
-- ``code``: the standard library's top-level ``*.py`` files in name order, one document per file,
-  capped at ``DemoConfig.code_max_bytes`` (default 2 MB of the ~4.7 MB: the files in name order up
-  to the cap) so that preparation stays fast.
+- ``prose``: English prose about Python, CPython 3.11.7's ``pydoc_data.topics`` (79 topics,
+  ~465 KB), one document per topic.
+- ``code``: CPython 3.11.7's top-level standard-library ``*.py`` files in name order, one document
+  per file, capped at ``DemoConfig.code_max_bytes`` (default 2 MB of the ~4.7 MB: the files in
+  name order up to the cap) so that preparation stays fast.
 - ``math``: generated arithmetic worksheets ("12 + 7 = 19", word problems, ...), deterministic
   from ``DemoConfig.seed``.
+
+Prose and code come from the snapshot in ``data/demo_corpus/`` (``data.demo_snapshot``), not from
+the running interpreter, whose texts differ per version: so the corpus key, the tokens and the
+golden losses are the same on Python 3.11 and 3.12.
 
 A byte-level BPE tokenizer (HF ``tokenizers``, ``<|endoftext|>`` = id 0) is trained on the
 training documents; each category becomes a megatron-core indexed dataset ``<cat>`` and the last
@@ -27,13 +31,13 @@ import json
 import os
 import random
 import shutil
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 
+from data import demo_snapshot
 from data.config import DEMO_CATEGORIES, DemoConfig
 from data.tokenizer import EOD_TOKEN, eod_id, train_bpe_tokenizer
 
@@ -58,20 +62,13 @@ class DemoCorpus:
 
 
 def prose_documents() -> List[str]:
-    from pydoc_data.topics import topics
-
-    return [topics[k] for k in sorted(topics) if topics[k].strip()]
+    return [text for _, text in demo_snapshot.load()["prose"] if text.strip()]
 
 
 def code_documents(max_bytes: int) -> List[str]:
-    stdlib = sysconfig.get_paths()["stdlib"]
+    """The snapshot's files in name order while their total stays within ``max_bytes``."""
     docs, total = [], 0
-    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError):
-            continue
+    for _, text in demo_snapshot.load()["code"]:
         size = len(text.encode("utf-8"))
         if total + size > max_bytes:
             break
@@ -233,7 +230,8 @@ def _build(out: str, key: str, cfg: DemoConfig, docs: Dict[str, List[str]], show
     manifest = {
         "format": FORMAT_VERSION, "key": key, "settings": asdict(cfg), "vocab_size": tok.get_vocab_size(),
         "eod_token": EOD_TOKEN, "eod_id": eod, "datasets": stats, "build_seconds": round(time.time() - t0, 2),
-        "sources": {"prose": "pydoc_data.topics", "code": sysconfig.get_paths()["stdlib"] + "/*.py",
+        "sources": {"prose": f"pydoc_data.topics of CPython {demo_snapshot.SNAPSHOT_PYTHON} (data/demo_corpus/)",
+                    "code": f"Lib/*.py of CPython {demo_snapshot.SNAPSHOT_PYTHON} (data/demo_corpus/)",
                     "math": f"generated, seed {cfg.seed}"},
     }
     with open(os.path.join(out, "manifest.json"), "w", encoding="utf-8") as f:

@@ -73,11 +73,6 @@ def quiet_megatron_logs() -> Iterator[None]:
             lg.setLevel(lv)
 
 
-def dataset_exists(prefix: str) -> bool:
-    """A dataset "looks complete" when both .bin and .idx exist (megatron's own test)."""
-    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
-
-
 def token_dtype(vocab_size: int):
     return mcore().DType.optimal_dtype(vocab_size)
 

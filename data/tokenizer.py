@@ -155,17 +155,6 @@ def _with_post_processing(spec: TokenizerSpec) -> TokenizerSpec:
     return spec
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """The ``tokenizers.Tokenizer`` of a tokenizer.json file or HF tokenizer directory (checked as
-    ``load_tokenizer_spec`` does)."""
-    return load_tokenizer_spec(path).tokenizer
-
-
-def tokenizer_exists(path: str) -> bool:
-    path = os.path.expanduser(path)
-    return os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))
-
-
 def save_tokenizer_atomic(tok: Tokenizer, path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

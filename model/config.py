@@ -1,11 +1,18 @@
-"""Typed configuration of the hybrid model (Hydra group `model/`)."""
+"""Typed configuration of the hybrid model (Hydra group `model/`).
+
+The schema checks its own fields when it is built (`__post_init__`; a numeric field's range is
+declared on the field, `field_ranges`). Nothing here reads a file: model.init_from's directory is
+checked by `model.hf.check_init_from`, which training's `validate` runs after the pure checks.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
+
+from errors import ConfigError
+from field_ranges import above, at_least, check_fields
 
 LAYER_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}
 
@@ -25,26 +32,26 @@ class ModelConfig:
     name: str = "demo"
     # M = Mamba-2, * = self-attention, - = MLP (the Nemotron-H notation).
     pattern: str = "M-M*-M-M-"
-    hidden_size: int = 256
-    ffn_hidden_size: int = 1024
-    num_attention_heads: int = 8
-    num_query_groups: int = 2
-    kv_channels: int = 32
-    mamba_num_heads: int = 32
-    mamba_head_dim: int = 16
-    mamba_state_dim: int = 64
-    mamba_num_groups: int = 2
-    mamba_chunk_size: int = 64
+    hidden_size: int = field(default=256, metadata=at_least(1))
+    ffn_hidden_size: int = field(default=1024, metadata=at_least(1))
+    num_attention_heads: int = field(default=8, metadata=at_least(1))
+    num_query_groups: int = field(default=2, metadata=at_least(1))
+    kv_channels: int = field(default=32, metadata=at_least(1))
+    mamba_num_heads: int = field(default=32, metadata=at_least(1))
+    mamba_head_dim: int = field(default=16, metadata=at_least(1))
+    mamba_state_dim: int = field(default=64, metadata=at_least(1))
+    mamba_num_groups: int = field(default=2, metadata=at_least(1))
+    mamba_chunk_size: int = field(default=64, metadata=at_least(1))
     # None: the tokenizer's vocabulary, padded to a multiple of `vocab_multiple` x TP.
-    vocab_size: Optional[int] = None
-    vocab_multiple: int = 128
-    max_sequence_length: int = 256
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
+    vocab_size: Optional[int] = field(default=None, metadata=at_least(1, "or null: the tokenizer's"))
+    vocab_multiple: int = field(default=128, metadata=at_least(1))
+    max_sequence_length: int = field(default=256, metadata=at_least(1))
+    init_method_std: float = field(default=0.02, metadata=above(0))
+    layernorm_epsilon: float = field(default=1e-5, metadata=above(0))
     # How many leading/trailing pattern layers a low-precision recipe keeps in BF16 by default
     # for this depth (the paper: first 2 / last 8 at 12B). A precision recipe may override them.
-    bf16_first_layers: int = 1
-    bf16_last_layers: int = 2
+    bf16_first_layers: int = field(default=1, metadata=at_least(0))
+    bf16_last_layers: int = field(default=2, metadata=at_least(0))
     # auto: the TE spec where TE runs the precision's recipe and mamba_ssm imports, else the
     # portable spec; portable: always (GEMMs emulated); te: the TE spec or a ValueError.
     # Decided by model/backend.py.
@@ -54,55 +61,39 @@ class ModelConfig:
     # config.json must match the fields above; a run that has checkpoints resumes from them.
     init_from: Optional[str] = None
 
-    def validate(self) -> None:
-        for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                    "kv_channels", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
-                    "mamba_num_groups", "mamba_chunk_size", "vocab_multiple",
-                    "max_sequence_length"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 1 (or null: the "
-                             "tokenizer's)")
-        for key in ("init_method_std", "layernorm_epsilon"):
-            value = getattr(self, key)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"model.{key}={value} must be a finite number > 0")
-        for key in ("bf16_first_layers", "bf16_last_layers"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0")
+    def __post_init__(self) -> None:
+        check_fields(self, "model")
         if not self.pattern:
-            raise ValueError("model.pattern='' is empty: give one character per layer, 'M' "
-                             "(Mamba-2), '*' (attention) or '-' (MLP), e.g. "
-                             "model.pattern='M-M*-M-M-'")
+            raise ConfigError("model.pattern='' is empty: give one character per layer, 'M' "
+                              "(Mamba-2), '*' (attention) or '-' (MLP), e.g. "
+                              "model.pattern='M-M*-M-M-'")
         bad = sorted({c for c in self.pattern if c not in LAYER_SYMBOLS})
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 f"model.pattern={self.pattern!r} has unknown layer character(s) {bad}: use only "
                 "'M' (Mamba-2), '*' (attention) and '-' (MLP), e.g. model.pattern='M-M*-M-M-'"
             )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
+            raise ConfigError(
                 f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"model.num_query_groups={self.num_query_groups} (GQA)"
             )
         if self.mamba_num_heads % self.mamba_num_groups:
-            raise ValueError(
+            raise ConfigError(
                 f"model.mamba_num_heads={self.mamba_num_heads} must be a multiple of "
                 f"model.mamba_num_groups={self.mamba_num_groups}"
             )
-        if self.init_from is not None:
-            if not str(self.init_from).strip():
-                raise ValueError("model.init_from='' : give a Hugging Face model directory, "
-                                 "or null for a random init")
-            from .hf import check_init_from  # reads config.json and the file list only
+        if self.init_from is not None and not str(self.init_from).strip():
+            raise ConfigError("model.init_from='' : give a Hugging Face model directory, "
+                              "or null for a random init")
 
-            check_init_from(self)
+    # Callers that change a built config re-check it (a dataclass's fields can be reassigned).
+    validate = __post_init__
 
     @property
     def num_layers(self) -> int:

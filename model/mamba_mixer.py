@@ -55,7 +55,6 @@ from megatron.core.transformer.utils import (
 
 import compat
 from model.recompute import checkpoint_implementation, recompute
-from nvfp4_recipe.parts import part
 from model.ssd import ssd_chunk_scan
 
 __all__ = ["MambaMixer", "MambaMixerSubmodules", "GatedRMSNorm", "mamba_kernels",
@@ -599,9 +598,8 @@ class MambaMixer(MegatronModule):
                 dt_softplus=True,
             )
         else:
-            with part("mamba/ssd_scan"):  # timed by benchmarks/step_profile.py (forward only)
-                y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D,
-                                   dt_bias=self.dt_bias, dt_softplus=True)
+            y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D,
+                               dt_bias=self.dt_bias, dt_softplus=True)
 
         y = y.reshape(b, s, self.d_inner_local_tp).transpose(0, 1)  # [s, b, d_inner_local]
         y = self.norm(y.contiguous(), z.contiguous(), use_kernels="rmsnorm_fn" in kernels)

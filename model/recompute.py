@@ -47,9 +47,6 @@ class RecomputeConfig:
 
 # -- which checkpoint recomputes a region, and running it -------------------------------------------
 
-IMPLEMENTATIONS = ("te", "megatron", "torch")
-
-
 def checkpoint_implementation(*, cuda: bool, te_layers: bool) -> str:
     """Which checkpoint recomputes a region (a pure decision, tested on CPU):
     - "te": Transformer Engine layers. TE's checkpoint marks the recomputed forward

@@ -1,11 +1,14 @@
 """NVFP4 pretraining numerics: quantizers (NVFP4, MXFP4, FP8 block), the 16-point RHT, stochastic
 rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas; the
 format registry (registry.py: each format's config, emulated ops, TE recipe, device rules) and
-the precision policy (policy.py: the `precision` config and each linear's format). Also the
-rules of the GEMM preflight (gemm_support.py: which shapes each backend takes; training/preflight.py
-applies them), the fused kernels (kernels.py), quantization diagnostics (diagnostics.py), the
-GEMM compute policy (compute.py: BF16 GEMMs in FP32 where a CPU has no BF16 instructions) and the
-per-part step timers (parts.py).
+the precision policy (policy.py: the `precision` config and each linear's format); how each
+format quantizes each GEMM operand (operands.py). Also the rules of the GEMM preflight
+(gemm_support.py: which shapes each backend takes; training/preflight.py applies them), the fused
+kernels (kernels.py), quantization diagnostics (diagnostics.py) and the GEMM compute policy
+(compute.py: BF16 GEMMs in FP32 where a CPU has no BF16 instructions).
+
+Imports inside the package go one way: formats <- the quantizers <- operands <- registry <- linear
+<- diagnostics, and registry <- policy (tests/test_layering.py).
 
 Depends on torch only. The subpackage `nvfp4_recipe.megatron` applies all this to megatron-core
 models and Transformer Engine layers; importing `nvfp4_recipe` does not import it.

@@ -11,7 +11,7 @@ only by the order of the FP32 accumulation; parameters, activations and gradient
 sees the forward's GEMMs and those autograd runs for the backward alike, and every caller
 (megatron's linears and output layer, attention, the Mamba mixer's matmuls, einsums and conv1d, the
 emulated low-precision GEMMs) is covered without touching a call site. Everything else passes
-through unchanged. The emulation (nvfp4_recipe/linear.py) asks `fp32_gemms_active()` and writes its
+through unchanged. The emulation (nvfp4_recipe/operands.py) asks `fp32_gemms_active()` and writes its
 operands in FP32 directly instead of BF16 values for the mode to convert.
 """
 
@@ -23,13 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from nvfp4_recipe.parts import part
-
 aten = torch.ops.aten
-# Labels of FP32Gemms' parts (benchmarks/step_profile.py).
-CONVERSIONS = "gemm/bf16<->fp32 conversions"
-FP32_GEMMS = "gemm/fp32 on bf16 values"
-
 GEMM_COMPUTE = ("auto", "bf16", "fp32")
 
 # The GEMM-like ops a BF16 model reaches on CPU, and which of their outputs are BF16 (rounded back
@@ -60,6 +54,25 @@ def _up(value):
     return value
 
 
+def _gemm_in_fp32(func, args, kwargs):
+    """A BF16 GEMM-like op on the same values in FP32, its BF16 outputs rounded back once."""
+    args, kwargs = _up_all(args, kwargs)
+    return _down(func, func(*args, **kwargs))
+
+
+def _up_all(args, kwargs):
+    return _up(args), _up(kwargs)
+
+
+def _down(func, out):
+    """The FP32 call's BF16 outputs (_BF16_OUTPUTS) rounded back to BF16."""
+    if isinstance(out, torch.Tensor):
+        return out.to(torch.bfloat16)
+    rounded = _BF16_OUTPUTS[func]
+    return type(out)(o.to(torch.bfloat16) if i in rounded and o is not None else o
+                     for i, o in enumerate(out))
+
+
 def _takes_bf16(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 and not a.is_cuda
                for a in args)
@@ -87,16 +100,7 @@ class FP32Gemms(TorchDispatchMode):
             self.counts["fp32"] += 1
             return func(*args, **kwargs)
         self.counts["bf16->fp32"] += 1
-        with part(CONVERSIONS):
-            args, kwargs = _up(args), _up(kwargs)
-        with part(FP32_GEMMS):
-            out = func(*args, **kwargs)
-        with part(CONVERSIONS):
-            if isinstance(out, torch.Tensor):
-                return out.to(torch.bfloat16)
-            rounded = _BF16_OUTPUTS[func]
-            return type(out)(o.to(torch.bfloat16) if i in rounded and o is not None else o
-                             for i, o in enumerate(out))
+        return _gemm_in_fp32(func, args, kwargs)
 
 
 def fp32_gemms_active() -> bool:

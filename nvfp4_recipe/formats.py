@@ -10,8 +10,6 @@ from typing import Iterator
 
 import torch
 
-from nvfp4_recipe.parts import part
-
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 FP32_MAX = torch.finfo(torch.float32).max
@@ -115,10 +113,9 @@ def draw_random_bytes(numel: int, device: torch.device, generator: torch.Generat
     CUDA, consume the same bytes in the same places. The generator advances by ceil(numel / 8)
     64-bit draws.
     """
-    with part("emulation/sr_draws"):  # linear.SR_DRAWS
-        draws = torch.empty(-(-numel // _BYTES_PER_DRAW), dtype=torch.int64, device=device)
-        draws.random_(-2**63, None, generator=generator)
-        return draws.view(torch.uint8)[:numel]
+    draws = torch.empty(-(-numel // _BYTES_PER_DRAW), dtype=torch.int64, device=device)
+    draws.random_(-2**63, None, generator=generator)
+    return draws.view(torch.uint8)[:numel]
 
 
 def round_e2m1_stochastic_(v: torch.Tensor, scratch: E2M1Scratch, n: int, random_bytes: torch.Tensor) -> torch.Tensor:

@@ -212,14 +212,14 @@ RULES: tuple[Rule, ...] = (
     Rule("emulated.nvfp4.block_16", "emulated", ("nvfp4",), "fail",
          "emulated NVFP4: K and N multiples of the 16-element block (T is zero-padded)",
          "ValueError from the emulated linear",
-         "nvfp4_recipe/linear.py:78-91 (_FormatOps.check_shapes), BLOCK = 16 (nvfp4.py)",
+         "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), BLOCK = 16 (nvfp4.py)",
          _emulated_block(16)),
     Rule("emulated.mxfp4.block_32", "emulated", ("mxfp4",), "fail",
          "emulated MXFP4: K and N multiples of the 32-element block (T is zero-padded)",
          "ValueError from the emulated linear",
-         "nvfp4_recipe/linear.py:78-91 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp4.py)",
+         "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp4.py)",
          _emulated_block(32)),
-    # Emulated FP8 zero-pads a partial 128-block (linear.py: whole_blocks_only = False): no rule.
+    # Emulated FP8 zero-pads a partial 128-block (operands.py: whole_blocks_only = False): no rule.
 )
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from nvfp4_recipe import kernels as fused
+import nvfp4_recipe.kernels as fused
 from nvfp4_recipe.formats import (
     encode_e2m1_blocks,
     E2M1_MAX,

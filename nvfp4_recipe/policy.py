@@ -21,7 +21,8 @@ from .kernels import KERNEL_MODES, use_compiled
 from .registry import Format, format_names, format_spec, is_format
 
 # The choices of the schema's choice fields (str-valued, spelled as in the YAML recipes: Hydra
-# rejects another value naming these; `validate_precision` checks a config built in Python).
+# rejects another value naming these; `validate_precision`, which the schema's __post_init__ runs,
+# checks a config built in Python).
 
 
 class Backend(StrEnum):
@@ -87,6 +88,9 @@ class PrecisionConfig:
     # nvfp4. Beats format and the BF16 first/last layers; see `resolve_overrides`.
     overrides: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        validate_precision(self)
+
 
 @dataclass(frozen=True)
 class LayerPrecision:
@@ -109,7 +113,12 @@ class LayerPrecision:
 
 
 def validate_precision(cfg: PrecisionConfig) -> None:
-    """Hydra checks the choice fields of a composed config; this checks one built in Python too."""
+    """The schema's own checks (its __post_init__, which `OmegaConf.to_object` runs): ValueError
+    naming the key. This package ships alone in its wheel, without the project's errors module
+    (or its field_ranges): every numeric field is checked here by hand, and the training config
+    layer turns the ValueError into a ConfigError. The choices again, for a config built in
+    Python (Hydra checks a composed one); the layer counts against the model's depth are
+    `resolve_bf16_layers`'."""
     if not is_format(cfg.format):
         raise ValueError(f"precision.format={cfg.format!r}: choose one of {format_names()}")
     for key, value, choices in (("backend", cfg.backend, Backend), ("gemm", cfg.gemm, Gemm),
@@ -124,6 +133,11 @@ def validate_precision(cfg: PrecisionConfig) -> None:
             f"precision.switch_to_bf16.at_fraction={at}: a fraction of the run's tokens in "
             "[0, 1], or null for never"
         )
+    for key in ("bf16_first_layers", "bf16_last_layers"):
+        value = getattr(cfg, key)
+        if value is not None and value < 0:
+            raise ValueError(f"precision.{key}={value} is negative: use 0 or more (or null: the "
+                             "model's default)")
     if cfg.diagnostics_every < 0:
         raise ValueError(f"precision.diagnostics_every={cfg.diagnostics_every} must be >= 0")
     if cfg.input_amax_steps < 0:

@@ -1,7 +1,7 @@
 """The GEMM formats, each registered once: what the rest of the project looks a format up in.
 
 A format's entry names its emulated-GEMM config and how a precision recipe fills it, the emulated
-ops (nvfp4_recipe/linear.py: how each GEMM operand is quantized, and how the diagnostics quantize
+ops (nvfp4_recipe/operands.py: how each GEMM operand is quantized, and how the diagnostics quantize
 a tensor of each role), its Transformer Engine recipe, and the checks of where TE can run it
 (this project's own rule, then TE's for a release). No megatron or TE import: the TE recipe is a
 class name and its keyword arguments (nvfp4_recipe/megatron/te_mapping.py builds it).
@@ -12,13 +12,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
-from nvfp4_recipe.linear import _FormatOps, _FP8BlockOps, _MXFP4Ops, _NVFP4Ops
+from nvfp4_recipe.operands import _FormatOps, _FP8BlockOps, _MXFP4Ops, _NVFP4Ops
 
-if TYPE_CHECKING:
-    from nvfp4_recipe.policy import PrecisionConfig
+
+class PrecisionFields(Protocol):
+    """The fields of the `precision` config (nvfp4_recipe.policy.PrecisionConfig) that a format's
+    entry reads. Named here, not imported: the policy imports the registry, imports go one way."""
+
+    rht: bool
+    stochastic_rounding: bool
+    weight_2d: bool
+    gemm: str
+    kernels: str
+
 
 Capability = tuple[int, int]
 Verdict = tuple[bool, str]  # (runs, why not)
@@ -41,13 +50,13 @@ class FormatSpec:
     format: Format
     # The emulated GEMM's config class, and that config under a precision recipe (None: BF16).
     config_type: Optional[type]
-    emulated_config: Callable[["PrecisionConfig"], Optional[QuantConfig]]
+    emulated_config: Callable[[PrecisionFields], Optional[QuantConfig]]
     # How the emulation quantizes each GEMM operand and, for the diagnostics, a tensor of each
-    # role (linear.py).
+    # role (operands.py).
     ops: Optional[type[_FormatOps]]
     # {"recipe": TE recipe class name, "kwargs": its arguments}; None: no TE recipe (BF16 runs
     # outside TE's autocast; a format TE cannot run says so in `device_rule`).
-    te_recipe: Callable[["PrecisionConfig"], Optional[dict[str, Any]]]
+    te_recipe: Callable[[PrecisionFields], Optional[dict[str, Any]]]
     # What this project asks of a CUDA device before TE is consulted.
     device_rule: Callable[[Capability], Verdict]
     # TE's own check of the recipe, restated per release (where TE itself cannot be asked).
@@ -81,12 +90,12 @@ def _none(_cfg) -> None:
 # -- NVFP4 ---------------------------------------------------------------------------------------
 
 
-def _nvfp4_config(cfg: "PrecisionConfig") -> NVFP4Config:
+def _nvfp4_config(cfg: PrecisionFields) -> NVFP4Config:
     return NVFP4Config(rht=cfg.rht, stochastic_rounding=cfg.stochastic_rounding,
                        weight_2d=cfg.weight_2d, gemm=cfg.gemm, kernels=cfg.kernels)
 
 
-def _nvfp4_te_recipe(cfg: "PrecisionConfig") -> dict[str, Any]:
+def _nvfp4_te_recipe(cfg: PrecisionFields) -> dict[str, Any]:
     return {
         "recipe": "NVFP4BlockScaling",
         "kwargs": {
@@ -119,7 +128,7 @@ def _nvfp4_te_release_rule(capability: Capability, cuda_version: Optional[str],
 # -- FP8 block scaling ---------------------------------------------------------------------------
 
 
-def _fp8_te_recipe(_cfg: "PrecisionConfig") -> dict[str, Any]:
+def _fp8_te_recipe(_cfg: PrecisionFields) -> dict[str, Any]:
     # The paper's FP8 baseline: E4M3 everywhere, 128x128 weight / 1x128 activation blocks.
     return {"recipe": "Float8BlockScaling", "kwargs": {"fp8_format": "E4M3"}}
 
@@ -198,6 +207,6 @@ def spec_of_config(config: QuantConfig) -> FormatSpec:
     return spec
 
 
-def gemm_config_for(fmt: str, cfg: "PrecisionConfig") -> Optional[QuantConfig]:
+def gemm_config_for(fmt: str, cfg: PrecisionFields) -> Optional[QuantConfig]:
     """The emulated-GEMM config of one format under a precision recipe (None for BF16)."""
     return format_spec(fmt).emulated_config(cfg)

@@ -2,19 +2,30 @@
 
     python -m studies.ablations --jobs 2                # the study (resumable), then the report
     python -m studies.ablations --seeds 1 2 3 --steps 80 --jobs 2   # other seeds / length
+    python -m studies.ablations --jobs 2 evaluation=demo   # + downstream scores per recipe
     python -m studies.ablations --report-only           # rebuild docs/ablations/ from existing runs
 
 Every run is `train.py experiment=ablations precision=<config> trainer.seed=<seed>`, one per
 precision recipe in recipes/precision/ (`--steps` sets trainer.max_steps), so all configs of one
-seed see the same data order and the same initial weights. Runs live in `<runs-dir>/<config>-s<seed>/`
-(default runs/ablations/, gitignored). A run whose metrics.jsonl holds the final step with its
-val_loss is skipped; an interrupted one resumes from its newest checkpoint (run.resume=auto); one
-that stopped on a NaN/Inf loss (exit 4) is recorded as diverged and not retried.
+seed see the same data order and the same initial weights. Hydra overrides (key=value words among
+the flags) go to every run: `evaluation=demo` (or `evaluation.tasks=[...] evaluation.limit=N`)
+scores each run on lm-eval tasks at its last step, `model=...` or `trainer.seq_length=...` change
+the scale. Keys the study sets per run (precision, trainer.seed, run.dir, the step counts) are
+refused. Runs live in `<runs-dir>/<config>-s<seed>/` (default runs/ablations/, gitignored); a run
+dir trained with another --steps or other overrides is refused (pass another --runs-dir). A run
+whose metrics.jsonl holds the final step with its val_loss (and its downstream scores, when it
+evaluates) is skipped; an interrupted one resumes from its newest checkpoint (run.resume=auto);
+one that stopped on a NaN/Inf loss (exit 4) is recorded as diverged and not retried.
 
 The report (docs/ablations/ by default): val_loss.png (relative validation-loss gap to BF16 vs
 tokens, mean over seeds), train_loss.png (the same for the smoothed training loss), results.json,
-and README.md (table, command, machine, wall time, the paper's orderings checked against the seed
-noise measured here, plus the hand-written reading in reading.md when present).
+and README.md (studies/templates/ablations.md.j2: table, downstream scores when the runs have
+them, command, machine, wall time, the paper's orderings checked against the seed noise measured
+here, plus the hand-written headline.md and reading.md when present).
+
+Exit codes (errors.ExitCode): 0 every run finished or diverged; 2 a bad flag or override, or a run
+dir of another study; 3 --report-only without runs; 130 Ctrl-C (the runs checkpointed first);
+else the first failed run's own train.py code.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -36,6 +48,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from benchmarks.machine import cpu_model
+from errors import ConfigError, ExitCode, MissingError, ProjectError
+from studies.report import fmt, render
 from training import metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,30 +71,55 @@ LABELS = {
 STUDY_OVERRIDES = ["experiment=ablations"]
 STUDY_TRAINER = OmegaConf.load(RECIPES / "experiment" / "ablations.yaml").trainer
 DEFAULT_STEPS = STUDY_TRAINER.max_steps
-STATUS = "ablation.json"  # per run dir: exit code, wall time, (diverged) step
+STATUS = "ablation.json"  # per run dir: exit code, wall time, (diverged) step, extra overrides
+# train.py's exit codes at start-up that a second try meets again (a bug, a bad value, a missing file)
+STARTUP_FAILURES = (ExitCode.BUG, ExitCode.CONFIG, ExitCode.MISSING)
 
 
 # -- runs -------------------------------------------------------------------------------------
-def run_overrides(config: str, seed: int, steps: int, run_dir: Path) -> list[str]:
+# Keys every run's command line sets itself (run_overrides): an extra override may not change them.
+STUDY_KEYS = ("precision", "trainer.seed", "run.dir", "experiment", "trainer.max_steps",
+              "trainer.eval_every", "trainer.save_every", "run.resume")
+# A Hydra override as the command line takes it: key=value, key a dotted name (+/~ prefixes: add,
+# delete). Only the key is looked at; Hydra parses the value in train.py.
+OVERRIDE = re.compile(r"[+~]{0,2}[A-Za-z_][\w.-]*(@[\w.]+)?=.*", re.DOTALL)
+
+
+def check_overrides(overrides: list[str]) -> list[str]:
+    """The study's extra Hydra overrides (for every run), refused (ConfigError, exit 2) when one
+    is not `key=value` or sets a key the study sets per run."""
+    for override in overrides:
+        if not OVERRIDE.fullmatch(override):
+            raise ConfigError(f"override {override!r} is not key=value (a Hydra override)")
+        key = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        owner = next((k for k in STUDY_KEYS if key == k or key.startswith(k + ".")), None)
+        if owner is not None:
+            raise ConfigError(f"override {override!r}: the study sets {owner} for every run "
+                              "(--configs, --seeds, --steps, --runs-dir choose it)")
+    return list(overrides)
+
+
+def run_overrides(config: str, seed: int, steps: int, run_dir: Path,
+                  extra: list[str] = ()) -> list[str]:
     return [f"precision={config}", f"trainer.seed={seed}", f"run.dir={run_dir}",
-            *STUDY_OVERRIDES, f"trainer.max_steps={steps}",
+            *STUDY_OVERRIDES, *extra, f"trainer.max_steps={steps}",
             f"trainer.eval_every={max(1, steps // 8)}", f"trainer.save_every={max(1, steps // 4)}",
             "run.resume=auto"]
 
 
-def read_metrics(run_dir: Path) -> dict[int, dict]:
-    """step -> merged record (a resumed run re-logs steps: the last record wins)."""
-    path = run_dir / "metrics.jsonl"
+def step_records(run_dir: Path) -> dict[int, dict]:
+    """step -> that step's records merged: the trainer logs a step's downstream scores as a
+    record of their own after the step's, and a resumed run logs steps again (the later wins)."""
     out: dict[int, dict] = {}
-    if not path.exists():
+    if not (run_dir / metrics.METRICS_FILE).exists():
         return out
     for rec in metrics.read_metrics(run_dir, kind="step"):
-        out[rec["step"]] = rec if rec["step"] not in out else {**out[rec["step"]], **rec}
+        out[rec["step"]] = {**out.get(rec["step"], {}), **rec}
     return out
 
 
 def last_step(run_dir: Path) -> int:
-    m = read_metrics(run_dir)
+    m = step_records(run_dir)
     return max(m) if m else 0
 
 
@@ -90,28 +129,46 @@ def read_status(run_dir: Path) -> dict:
 
 
 def run_state(run_dir: Path, steps: int) -> str:
-    """'done', 'diverged', 'partial' or 'new'."""
+    """'done', 'diverged', 'partial' or 'new'. Done: the final step's val_loss and, when the run
+    evaluates downstream tasks, its final scores are logged (a run killed during that evaluation
+    resumes it)."""
     status = read_status(run_dir)
-    if status.get("exit_code") == 4:
+    if status.get("exit_code") == ExitCode.DIVERGED:
         return "diverged"
-    m = read_metrics(run_dir)
-    if steps in m and "val_loss" in m[steps]:
+    m = step_records(run_dir)
+    final = m.get(steps, {})
+    if "val_loss" in final and (not evaluation_tasks(run_dir)
+                                or any(k.startswith("eval/") for k in final)):
         return "done"
     return "partial" if m or (run_dir / "checkpoints").exists() else "new"
 
 
+def run_config(run_dir: Path):
+    """The config train.py composed for the run (its config.yaml), or None before it started."""
+    path = run_dir / "config.yaml"
+    return OmegaConf.load(path) if path.exists() else None
+
+
 def configured_steps(run_dir: Path) -> int | None:
-    cfg = run_dir / "config.yaml"
-    if not cfg.exists():
-        return None
-    return int(OmegaConf.load(cfg).trainer.max_steps)
+    cfg = run_config(run_dir)
+    return None if cfg is None else int(cfg.trainer.max_steps)
 
 
-def start_run(config: str, seed: int, steps: int, run_dir: Path, threads: int) -> subprocess.Popen:
+def evaluation_tasks(run_dir: Path) -> list[str]:
+    cfg = run_config(run_dir)
+    return list(OmegaConf.select(cfg, "evaluation.tasks", default=None) or []) if cfg else []
+
+
+def start_run(config: str, seed: int, steps: int, run_dir: Path, threads: int,
+              extra: list[str] = ()) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
+    # the extra overrides the run was started with: a later session must pass the same ones
+    (run_dir / STATUS).write_text(json.dumps({**read_status(run_dir), "overrides": list(extra)},
+                                             indent=1))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
            "MKL_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, str(REPO / "train.py"), *run_overrides(config, seed, steps, run_dir)]
+    cmd = [sys.executable, str(REPO / "train.py"),
+           *run_overrides(config, seed, steps, run_dir, extra)]
     log = open(run_dir / "stdout.log", "a")
     log.write(f"\n# {datetime.now(timezone.utc).isoformat()} {shlex.join(cmd)}\n")
     log.flush()
@@ -138,6 +195,21 @@ def _sigterm_to_interrupt(signum, _frame):
     raise KeyboardInterrupt
 
 
+def check_plan(runs_dir: Path, plan: list[tuple[str, int]], steps: int, extra: list[str]) -> None:
+    """Refuse (ConfigError, exit 2) a run dir trained with another step count or other extra
+    overrides: resuming it would mix two studies in one curve."""
+    for c, s in plan:
+        run_dir = runs_dir / f"{c}-s{s}"
+        have = configured_steps(run_dir)
+        if have is not None and have != steps:
+            raise ConfigError(f"{run_dir} was trained with max_steps={have}, not --steps {steps}: "
+                              "pass another --runs-dir or remove it")
+        had = read_status(run_dir).get("overrides", [] if have is not None else None)
+        if had is not None and had != list(extra):
+            raise ConfigError(f"{run_dir} was trained with the extra overrides {had}, not "
+                              f"{list(extra)}: pass another --runs-dir or remove it")
+
+
 def run_study(args) -> int:
     signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     from rich.console import Console
@@ -148,12 +220,7 @@ def run_study(args) -> int:
     plan = [(c, s) for s in args.seeds for c in args.configs]
     plan += [(c, s) for s in args.noise_seeds for c in args.noise_configs
              if (c, s) not in plan]
-    for c, s in plan:
-        have = configured_steps(runs_dir / f"{c}-s{s}")
-        if have is not None and have != args.steps:
-            console.print(f"[red]{runs_dir / f'{c}-s{s}'} was trained with max_steps={have}, "
-                          f"not --steps {args.steps}: pass another --runs-dir or remove it")
-            return 2
+    check_plan(runs_dir, plan, args.steps, args.overrides)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     study_file = runs_dir / "study.json"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -162,14 +229,15 @@ def run_study(args) -> int:
         {"started": datetime.now(timezone.utc).isoformat(),
          "command": shlex.join(["python", "-m", "studies.ablations", *sys.argv[1:]]),
          "jobs": args.jobs, "threads_per_job": threads})
-    study.update(steps=args.steps, overrides=STUDY_OVERRIDES, plan=[f"{c}-s{s}" for c, s in plan])
+    study.update(steps=args.steps, overrides=[*STUDY_OVERRIDES, *args.overrides],
+                 extra_overrides=args.overrides, plan=[f"{c}-s{s}" for c, s in plan])
     study_file.write_text(json.dumps(study, indent=1))
 
     todo = [(c, s) for c, s in plan if run_state(runs_dir / f"{c}-s{s}", args.steps)
             not in ("done", "diverged")]
     if not args.retry_failed:  # a config error (exit 1-3) fails again the same way: report it once
-        stuck = [(c, s) for c, s in todo if read_status(runs_dir / f"{c}-s{s}").get("exit_code") in (1, 2, 3)
-                 and last_step(runs_dir / f"{c}-s{s}") == 0]
+        stuck = [(c, s) for c, s in todo if last_step(runs_dir / f"{c}-s{s}") == 0
+                 and read_status(runs_dir / f"{c}-s{s}").get("exit_code") in STARTUP_FAILURES]
         for c, s in stuck:
             console.print(f"[yellow]skipping {c}-s{s}: it failed at start-up before "
                           f"({run_error(runs_dir / f'{c}-s{s}')}); --retry-failed runs it again")
@@ -177,7 +245,7 @@ def run_study(args) -> int:
     console.print(f"ablation study: {len(plan)} runs ({len(plan) - len(todo)} already finished), "
                   f"{args.steps} steps each, {args.jobs} at a time x {threads} threads; "
                   f"runs in {runs_dir}/")
-    failed: list[str] = []
+    failed: dict[str, int] = {}  # run -> its exit code
     t_study = time.time()
     columns = [TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn()]
@@ -190,7 +258,7 @@ def run_study(args) -> int:
                 while queue and len(active) < args.jobs:
                     c, s = queue.pop(0)
                     run_dir = runs_dir / f"{c}-s{s}"
-                    proc = start_run(c, s, args.steps, run_dir, threads)
+                    proc = start_run(c, s, args.steps, run_dir, threads, args.overrides)
                     proc._threads = threads
                     task = progress.add_task(f"{c}-s{s}", total=args.steps,
                                              completed=last_step(run_dir))
@@ -208,7 +276,7 @@ def run_study(args) -> int:
                     del active[name]
                     msg = f"{name}: {state} (exit {proc.returncode}, {status['wall_s']:.0f} s this far)"
                     if state not in ("done", "diverged"):
-                        failed.append(name)
+                        failed[name] = proc.returncode
                         msg = f"[red]{msg}: see {run_dir}/stdout.log"
                     progress.console.log(msg)
         except KeyboardInterrupt:
@@ -225,14 +293,22 @@ def run_study(args) -> int:
                     proc.wait()
                 finish_run(proc, run_dir, args.steps)
                 progress.console.log(f"{name}: stopped at step {last_step(run_dir)} (exit {proc.returncode})")
-            return 130
+            return ExitCode.INTERRUPTED
     study = json.loads(study_file.read_text())
     study["sessions"][-1].update(finished=datetime.now(timezone.utc).isoformat(),
                                  wall_s=round(time.time() - t_study, 1))
     study_file.write_text(json.dumps(study, indent=1))
     console.print(f"study session: {time.time() - t_study:.0f} s; "
                   + (f"[red]failed: {', '.join(failed)}" if failed else "all runs finished"))
-    return 1 if failed else 0
+    return failed_exit_code(list(failed.values()))
+
+
+def failed_exit_code(codes: list[int]) -> ExitCode:
+    """The study's exit code: OK when every run finished (or diverged, a result), else the first
+    failed run's own code (a train.py ExitCode; BUG for anything else, e.g. a kill by signal)."""
+    if not codes:
+        return ExitCode.OK
+    return ExitCode(codes[0]) if codes[0] in set(ExitCode) - {ExitCode.OK} else ExitCode.BUG
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -258,9 +334,9 @@ def collect(runs_dir: Path) -> dict:
                     "state": "failed", "exit_code": status["exit_code"], "error": run_error(run_dir),
                     "final_val_loss": None, "val_loss": [], "train_loss": [],
                     "tokens_per_sec_median": None, "late_train_loss": None,
-                    "wall_s": status.get("wall_s")}
+                    "wall_s": status.get("wall_s"), "downstream": {}}
             continue
-        m = read_metrics(run_dir)
+        m = step_records(run_dir)
         steps = configured_steps(run_dir) or max(m)
         status = read_status(run_dir)
         val = {s: r["val_loss"] for s, r in sorted(m.items()) if "val_loss" in r}
@@ -278,6 +354,10 @@ def collect(runs_dir: Path) -> dict:
                                                  if s > steps - max(1, steps // 4))
                                 if state == "done" else None),
             "wall_s": status.get("wall_s"), "skipped_steps": m[max(m)].get("skipped_steps", 0) if m else 0,
+            # lm-eval's scores at the final step (with their stderr), when the run evaluated
+            "downstream": ({k: v for k, v in m[steps].items()
+                            if k.startswith("eval/") and k != "eval/seconds"}
+                           if state == "done" else {}),
         }
     return runs
 
@@ -313,6 +393,7 @@ def summarize(runs: dict) -> dict:
             "final_val_loss_min": min(finals) if finals else None,
             "final_val_loss_max": max(finals) if finals else None,
             "tokens_per_sec_median": statistics.median(tps) if tps else None,
+            "downstream": downstream_summary(done),
         }
     base = summary["bf16"]["final_val_loss_mean"]
     for config, s in summary.items():
@@ -324,6 +405,47 @@ def summarize(runs: dict) -> dict:
         s["late_train_gap_pct"] = late
         s["late_train_gap_pct_mean"] = statistics.fmean(late) if late else None
     return summary
+
+
+def downstream_summary(done: dict[int, dict]) -> dict[str, dict]:
+    """Per `eval/<task>/<metric>` over the finished seeds: the mean score, the mean of lm-eval's
+    stderr of it (the items' sampling error of one run) and the per-seed scores."""
+    out = {}
+    for key in sorted({k for r in done.values() for k in r["downstream"]}):
+        if key.endswith("_stderr"):
+            continue
+        seeds = sorted(s for s, r in done.items() if key in r["downstream"])
+        errs = [done[s]["downstream"].get(f"{key}_stderr") for s in seeds]
+        errs = [e for e in errs if e is not None and math.isfinite(e)]
+        out[key] = {"mean": statistics.fmean(done[s]["downstream"][key] for s in seeds),
+                    "stderr": statistics.fmean(errs) if errs else None,
+                    "per_seed": {s: done[s]["downstream"][key] for s in seeds}}
+    return out
+
+
+def downstream_table(summary: dict, limit) -> dict:
+    """The report's downstream table: a column per `<task> <metric>`, a row per config with
+    scores; no columns when no run evaluated downstream tasks."""
+    keys = sorted({k for r in summary.values() for k in r.get("downstream", {})})
+    rows = []
+    for c in (c for c in CONFIGS if c in summary):
+        scores = summary[c].get("downstream", {})
+        if not scores:
+            continue
+        cells = []
+        for key in keys:
+            d = scores.get(key)
+            if d is None:
+                cells.append("—")
+                continue
+            cell = f"{d['mean']:.4f}" + (f" ± {d['stderr']:.4f}" if d["stderr"] is not None else "")
+            if len(d["per_seed"]) > 1:
+                cell += f" ({', '.join(f'{v:.4f}' for v in d['per_seed'].values())})"
+            cells.append(cell)
+        seeds = sorted({s for d in scores.values() for s in d["per_seed"]})
+        rows.append({"config": c, "cells": cells, "seeds": ", ".join(map(str, seeds))})
+    columns = [" ".join(k.split("/", 2)[1:]) for k in keys]
+    return {"columns": columns, "rows": rows, "limit": limit}
 
 
 def paired(runs: dict, a: str, b: str, key: str) -> list[float]:
@@ -452,14 +574,10 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-def fmt(v, spec=".4f", none="—"):
-    return none if v is None else format(v, spec)
-
-
 def write_report(runs_dir: Path, out: Path) -> dict:
     runs = collect(runs_dir)
     if not runs:
-        raise SystemExit(f"no ablation runs under {runs_dir}/")
+        raise MissingError(f"--runs-dir {runs_dir}: no ablation runs there")
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs)
     noise = seed_noise(summary)
@@ -480,7 +598,8 @@ def write_report(runs_dir: Path, out: Path) -> dict:
          "Training loss (EMA 0.1) vs BF16 of the same seed (mean over seeds)", threshold_noise["train"])
     results = {
         "generated": datetime.now(timezone.utc).isoformat(), "machine": mach,
-        "study": {k: study.get(k) for k in ("steps", "overrides", "plan")},
+        "study": {k: study.get(k) for k in ("steps", "overrides", "extra_overrides", "plan")},
+        **run_settings(runs_dir),
         "sessions": sessions, "wall_s_sum_of_runs": round(sum(run_walls), 1),
         "wall_s_sessions": round(session_wall, 1),
         "seed_noise": noise, "paired_noise_pct": pn, "threshold_noise_pct": threshold_noise,
@@ -493,118 +612,75 @@ def write_report(runs_dir: Path, out: Path) -> dict:
     return results
 
 
-def render_readme(res: dict, out: Path) -> str:
-    s, noise, mach = res["summary"], res["seed_noise"], res["machine"]
-    st = res["study"]
-    steps = st.get("steps")
-    ov = st.get("overrides") or STUDY_OVERRIDES
-    seq, gbs = STUDY_TRAINER.seq_length, STUDY_TRAINER.global_batch_size
-    tokens = steps * seq * gbs if steps else None
-    L = []
-    headline = out / "headline.md"
-    L.append("# Precision ablations at CPU scale\n")
-    if headline.exists():
-        L.append(headline.read_text().strip() + "\n")
-    L.append("## Results\n")
-    L.append(f"Demo hybrid (`M-M*-M-M-`, ~6M parameters, first 1 / last 2 pattern layers in BF16), "
-             f"{steps} steps x {gbs} sequences x {seq} tokens = {tokens:,} tokens per run, "
-             f"same data order and initial weights for every config of a seed. "
-             f"Final validation loss on {STUDY_TRAINER.eval_batches}"
-             f" fixed held-out batches of {gbs} x {seq} tokens. Gap to BF16 = (loss - BF16's loss "
-             f"of the same seed) / BF16's, averaged over the seeds both ran (per-seed values in "
-             f"brackets); late train-loss gap = the same for the mean training loss over the last "
-             f"25 % of steps.\n")
-    L.append("| config | final val loss (mean ± std over seeds) | min / max | gap to BF16, same seeds: mean (per seed) | late train-loss gap | tokens/s (median) | seeds |")
-    L.append("|---|---|---|---|---|---|---|")
-    for c in CONFIGS:
-        r = s[c]
+def run_settings(runs_dir: Path) -> dict:
+    """The settings the report states, from a run's config.yaml (extra overrides may change
+    them), else from recipes/experiment/ablations.yaml: the trainer's shapes, evaluation.limit."""
+    cfg = next((c for c in map(run_config, sorted(runs_dir.glob("*-s*/"))) if c is not None), None)
+    trainer = {k: OmegaConf.select(cfg, f"trainer.{k}", default=None) if cfg else None
+               for k in ("seq_length", "global_batch_size", "eval_batches", "max_steps")}
+    trainer = {k: STUDY_TRAINER[k] if v is None else v for k, v in trainer.items()}
+    return {"trainer": trainer,
+            "downstream_limit": OmegaConf.select(cfg, "evaluation.limit", default=None) if cfg else None}
+
+
+def table_rows(summary: dict) -> list[dict]:
+    """The results table's cells, one row per config that ran (or failed at start-up)."""
+    rows = []
+    for c in (c for c in CONFIGS if c in summary):  # a report of older runs lacks newer recipes
+        r = summary[c]
         if not r["seeds"] and not r["diverged_seeds"]:
             if r["failed"]:
-                err = next(iter(r["failed"].values())).removeprefix("error: ")
-                L.append(f"| `{c}` | not run: train.py stopped at start-up — {err} | | | | | "
-                         f"{', '.join(map(str, r['failed']))} (failed) |")
+                rows.append({"config": c, "error": next(iter(r["failed"].values())).removeprefix(
+                    "error: "), "failed_seeds": ", ".join(map(str, r["failed"]))})
             continue
         mean = fmt(r["final_val_loss_mean"])
         if r["final_val_loss_std"] is not None:
             mean += f" ± {r['final_val_loss_std']:.4f}"
-        mm = (f"{fmt(r['final_val_loss_min'])} / {fmt(r['final_val_loss_max'])}"
-              if len(r["seeds"]) > 1 else "")
         pg = r["paired_gap_pct"]
-        gap = "0 (reference)" if c == "bf16" else (
-            f"**{statistics.fmean(pg):+.2f} %**" + (f" ({', '.join(f'{g:+.2f}' for g in pg)})"
-                                                   if len(pg) > 1 else "") if pg else "—")
+        per_seed = f" ({', '.join(f'{g:+.2f}' for g in pg)})" if len(pg) > 1 else ""
         seeds = ", ".join(map(str, r["seeds"]))
         if r["diverged_seeds"]:
             seeds += f" (diverged: {', '.join(map(str, r['diverged_seeds']))})"
-        late = (fmt(r["late_train_gap_pct_mean"], "+.2f") + " %") if c != "bf16" and r["late_train_gap_pct_mean"] is not None else ""
-        L.append(f"| `{c}` | {mean} | {mm} | {gap} | {late} | {fmt(r['tokens_per_sec_median'], ',.0f')} | {seeds} |")
-    L.append("")
-    L.append("tokens/s is the median per-step training throughput on a shared, loaded machine: it "
-             "compares configs only roughly (other jobs ran at the same time); on CPU every "
-             "low-precision format is emulated, so it says nothing about GPU speed.\n")
-    L.append("![validation-loss gap](val_loss.png)\n")
-    L.append("![training-loss gap](train_loss.png)\n")
-    L.append("### Seed noise\n")
-    if noise:
-        for c, n in noise.items():
-            L.append(f"- `{c}`: {n['n']} seeds, std of the final validation loss "
-                     f"{n['std']:.4f} = {n['std_pct']:.2f} % (max - min {n['range_pct']:.2f} %)")
-        L.append("")
-    else:
-        L.append("Only one seed per config: no seed noise measured.\n")
-    L.append("### The paper's orderings against this study\n")
-    tn, pn = res["threshold_noise_pct"], res["paired_noise_pct"]
-    L.append("Each claim compares two configs *seed by seed* (same data order, same initial weights): "
-             "`val` = mean over the shared seeds of (final validation loss of the config the paper finds "
-             "worse - the other's) / the other's; `late train` = the same for the mean training loss "
-             "over the last 25 % of steps (20 steps x 1,024 tokens, more tokens than the validation "
-             "set). A difference is called *reproduces* above 2x the noise of such a same-seed "
-             "difference, *reversed* below -2x, else *within noise*; the noise is the std over seeds "
-             "of NVFP4's seed-matched gap to BF16 "
-             + (f"(val {pn['val']:.2f} %, late train {pn['train']:.2f} %)" if pn.get("val") is not None
-                and pn.get("train") is not None else
-                f"(not measured: BF16's seed std {fmt(tn.get('val'), '.2f')} % used for val)")
-             + ".\n")
-    L.append("| paper's claim | worse | better | seeds | val | here (val) | late train | here (late train) |")
-    L.append("|---|---|---|---|---|---|---|---|")
-    for o in res["orderings"]:
-        dv = f"{o['diff_val_pct']:+.2f} %" if o["diff_val_pct"] is not None else "—"
-        dt = f"{o['diff_late_train_pct']:+.2f} %" if o["diff_late_train_pct"] is not None else "—"
-        L.append(f"| {o['claim']} | `{o['worse']}` | `{o['better']}` | {o['pairs']} | {dv} | "
-                 f"{o['verdict_val']} | {dt} | {o['verdict_train']} |")
-    L.append("")
-    reading = out / "reading.md"
-    if reading.exists():
-        L.append(reading.read_text().strip() + "\n")
-    L.append("## How it was run\n")
-    L.append("```bash")
-    for sess in res["sessions"]:
-        cmd = sess.get("command", "")
-        L.append("python -m studies.ablations" + cmd.split("studies/ablations.py", 1)[1]
-                 if "studies/ablations.py" in cmd else cmd)
-    L.append("python -m studies.ablations --report-only   # this report, from runs/ablations/")
-    L.append("```\n")
-    L.append("The same study in one command (the defaults: `--steps 80 --seeds 1 2`, plus seed 3 "
-             "for `bf16` and `nvfp4`): `python -m studies.ablations --jobs 2` (or `make ablations "
-             "ARGS=\"--jobs 2\"`). Finished runs are skipped, interrupted ones resume from their "
-             "last checkpoint (Ctrl-C asks the running ones to checkpoint first).\n")
-    L.append("Each run is `python train.py precision=<config> trainer.seed=<seed> run.dir=runs/ablations/<config>-s<seed> "
-             + " ".join(ov) + f" trainer.max_steps={steps} trainer.eval_every={max(1, (steps or 8) // 8)} "
-             f"trainer.save_every={max(1, (steps or 4) // 4)} run.resume=auto`.\n")
-    L.append(f"Machine: {mach['cpu']}, {mach['cores']} cores (shared with other jobs during the study), "
-             f"torch {mach['torch']}, Python {mach['python']}.\n")
-    sess_desc = "; ".join(
-        f"{x.get('started', '?')[:19]}Z, {x.get('jobs')} job(s) x {x.get('threads_per_job')} thread(s)"
-        + (f", {x['wall_s'] / 60:.1f} min" if x.get("wall_s") else ", interrupted")
-        for x in res["sessions"])
-    L.append(f"Wall time: {res['wall_s_sessions'] / 60:.1f} min over {len(res['sessions'])} "
-             f"session(s) ({sess_desc}); the runs' own wall times sum to "
-             f"{res['wall_s_sum_of_runs'] / 60:.1f} min.\n")
-    return "\n".join(L)
+        late = r["late_train_gap_pct_mean"]
+        rows.append({
+            "config": c, "error": None, "mean": mean, "seeds": seeds,
+            "min_max": (f"{fmt(r['final_val_loss_min'])} / {fmt(r['final_val_loss_max'])}"
+                        if len(r["seeds"]) > 1 else ""),
+            "gap": "0 (reference)" if c == "bf16" else (
+                f"**{statistics.fmean(pg):+.2f} %**{per_seed}" if pg else "—"),
+            "late": f"{late:+.2f} %" if c != "bf16" and late is not None else "",
+            "tokens_per_sec": r["tokens_per_sec_median"]})
+    return rows
+
+
+def render_readme(res: dict, out: Path) -> str:
+    st = res["study"]
+    trainer = res.get("trainer") or STUDY_TRAINER
+    steps = st.get("steps") or trainer["max_steps"]  # runs made without the study command
+    seq, gbs = trainer["seq_length"], trainer["global_batch_size"]
+    extra = st.get("extra_overrides") or []
+    commands = [s.get("command", "") for s in res["sessions"]]
+    commands = ["python -m studies.ablations" + c.split("studies/ablations.py", 1)[1]
+                if "studies/ablations.py" in c else c for c in commands]
+    headline, reading = out / "headline.md", out / "reading.md"
+    return render(
+        "ablations.md.j2", **res, steps=steps, seq=seq, gbs=gbs,
+        tokens=steps * seq * gbs if steps else None, tokens_per_step=seq * gbs,
+        eval_batches=trainer["eval_batches"], late_steps=max(1, (steps or 4) // 4),
+        demo_model=not any(o.split("=", 1)[0].lstrip("+~").startswith("model") for o in extra),
+        headline=headline.read_text().strip() if headline.exists() else None,
+        reading=reading.read_text().strip() if reading.exists() else None,
+        rows=table_rows(res["summary"]), noise=res["seed_noise"], commands=commands,
+        downstream=downstream_table(res["summary"], res.get("downstream_limit")),
+        paired_noise=res["paired_noise_pct"], threshold_noise=res["threshold_noise_pct"],
+        overrides=st.get("overrides") or STUDY_OVERRIDES,
+        eval_every=max(1, (steps or 8) // 8), save_every=max(1, (steps or 4) // 4))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m studies.ablations", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.ablations", description=__doc__.split("\n")[0],
+                                 epilog="Hydra overrides (key=value) among the flags go to every "
+                                        "run, e.g. evaluation=demo for downstream scores.")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds for every config")
     ap.add_argument("--noise-seeds", type=int, nargs="*", default=[3],
                     help="extra seeds for --noise-configs only (measures seed noise)")
@@ -619,12 +695,22 @@ def main(argv=None) -> int:
     ap.add_argument("--retry-failed", action="store_true",
                     help="run again runs that failed at start-up (config errors)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from existing runs")
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # key=value words are Hydra overrides wherever they stand: a flag taking several values
+    # (--seeds 1 2) would otherwise swallow the first of them
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = ap.parse_args([a for a in argv if a not in overrides])
     os.chdir(REPO)
-    code = 0
-    if not args.report_only:
-        code = run_study(args)
-    write_report(Path(args.runs_dir), Path(args.out))
+    try:
+        args.overrides = check_overrides(overrides)
+        for flag in ("steps", "jobs"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag} {getattr(args, flag)} must be >= 1")
+        code = ExitCode.OK if args.report_only else run_study(args)
+        write_report(Path(args.runs_dir), Path(args.out))
+    except ProjectError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
     print(f"report: {args.out}/README.md, val_loss.png, train_loss.png, results.json")
     return code
 

@@ -8,8 +8,11 @@ that is meant to change the numerics), and say why in the commit.
 
 Determinism: one torch thread (OMP_NUM_THREADS=1), so the summation order of the CPU kernels does
 not depend on the machine's core count; a fixed seed for the initial weights, the data order and
-the stochastic-rounding draws; the demo corpus is identified by its key (a hash of its input texts
-— the Python standard library's — its settings and the `tokenizers` version).
+the stochastic-rounding draws; the demo corpus's texts are a snapshot in the repository
+(data/demo_corpus/, CPython 3.11.7's), the same on every Python version. What the run trains on is
+recorded as the corpus key (a hash of those texts, the settings and the `tokenizers` version) and
+as `corpus_tokens_sha256`, a hash of the token ids themselves: another `tokenizers` version changes
+the key, but the losses are comparable as long as it trains the same BPE, i.e. the tokens match.
 """
 
 from __future__ import annotations
@@ -62,12 +65,26 @@ def overrides(precision: str) -> list[str]:
     return ["experiment=golden", f"precision={precision}"]
 
 
-def corpus_key() -> str:
-    from data.config import DemoConfig
-    from data.demo import corpus_key as key, raw_documents
+def corpus_tokens_sha256(corpus_path: str) -> str:
+    """sha256 over the demo corpus's datasets in order: each one's token ids (its .bin file, ids
+    with an end-of-document after each document) and its document lengths. Equal digests: the
+    runs train and validate on the same tokens, whatever built them."""
+    import hashlib
 
-    cfg = DemoConfig()
-    return key(cfg, raw_documents(cfg))
+    import numpy as np
+
+    from data.config import DEMO_DATASETS
+    from data.indexed import open_indexed
+
+    h = hashlib.sha256()
+    for name in DEMO_DATASETS:
+        h.update(name.encode() + b"\0")
+        with open(os.path.join(corpus_path, name + ".bin"), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        dataset = open_indexed(os.path.join(corpus_path, name))  # held: its lengths view its mmap
+        h.update(np.asarray(dataset.sequence_lengths, dtype="<i8").tobytes())
+    return h.hexdigest()
 
 
 def machine() -> str:
@@ -94,12 +111,16 @@ def regenerate() -> None:
     import tokenizers
     import torch
 
+    from data.demo import ensure_demo_corpus
+
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
-    key = corpus_key()
     with tempfile.TemporaryDirectory() as tmp:
+        # the corpus the runs below train on (they find it in this cache)
+        corpus = ensure_demo_corpus(str(Path(tmp) / "cache" / "data"))
+        key, tokens = corpus.key, corpus_tokens_sha256(corpus.path)
         for p in PRECISIONS:
             t0 = time.time()
-            losses = train(p, Path(tmp) / p)
+            losses = train(p, Path(tmp) / p, cache_dir=Path(tmp) / "cache")
             record = {
                 "precision": p, "losses": losses, "steps": STEPS,
                 "command": "OMP_NUM_THREADS=1 python train.py run.dir=<tmp> " + " ".join(overrides(p)),
@@ -107,12 +128,13 @@ def regenerate() -> None:
                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "gemm_compute": gemm_compute_here(),
                 "python": platform.python_version(),
-                "tokenizers": tokenizers.__version__, "corpus_key": key,
+                "tokenizers": tokenizers.__version__, "corpus_key": key, "corpus_tokens_sha256": tokens,
                 "machine": machine(), "generated": datetime.now(timezone.utc).isoformat(),
                 "tolerance_other_builds": TOLERANCE[p], "tolerance_basis": TOLERANCE_BASIS[p],
                 "note": "regenerate with `python -m studies.golden --regenerate`; compared by "
-                        "tests/training/test_golden.py: exactly when torch, cpu_capability, gemm_compute "
-                        "and corpus_key match, else within tolerance_other_builds (absolute, per step)",
+                        "tests/training/test_golden.py: on the same corpus tokens (corpus_tokens_sha256), "
+                        "exactly when torch, cpu_capability and gemm_compute match, else within "
+                        "tolerance_other_builds (absolute, per step)",
             }
             (GOLDEN_DIR / f"{p}.json").write_text(json.dumps(record, indent=1) + "\n")
             print(f"{p}: {len(losses)} losses, {losses[0]:.6f} -> {losses[-1]:.6f} "

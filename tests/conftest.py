@@ -42,6 +42,27 @@ def parallel_context():
     shutdown()
 
 
+@pytest.fixture
+def make_trainer(tmp_path, data_cache, monkeypatch):
+    """make_trainer(*overrides): a one-process Trainer (gloo) on the CPU demo at test size, in
+    tmp_path, composed from train.py's recipes as train.py composes them; the process group is
+    torn down after the test."""
+    from train_helpers import FAST, compose_train
+    from training.distributed import init_distributed, shutdown
+    from training.trainer import Trainer, prepare_run_dir
+
+    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
+
+    def make(*overrides: str) -> Trainer:
+        cfg = compose_train(*FAST, f"run.dir={tmp_path}", *overrides)
+        ctx = init_distributed(1, 1, "gloo")
+        prepare_run_dir(cfg, ctx)
+        return Trainer(cfg, ctx)
+
+    yield make
+    shutdown()
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """The local Slurm of .ci/slurm-up.sh (or any Slurm the environment points at)."""

@@ -3,7 +3,9 @@ it wrote."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -59,6 +61,21 @@ def patched_train_script(path: Path, patch: str) -> Path:
 def step_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of the last record for that step (a resumed run re-logs its steps)."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def rewound_copy(src: Path, dst: Path, step: int) -> Path:
+    """A copy of the run at `src` as if it had stopped after `step`: the checkpoints after it and
+    the metrics records after it dropped, so train.py resumes from step_<step> into `dst`."""
+    from training.checkpoint import named_step, step_dir_name, step_dirs
+
+    shutil.copytree(src, dst)
+    later = [d for d in step_dirs(dst / "checkpoints") if (named_step(d) or 0) > step]
+    assert (dst / "checkpoints" / step_dir_name(step)).is_dir() and later, (src, step)
+    for checkpoint in later:
+        shutil.rmtree(checkpoint)
+    kept = [json.dumps(r) for r in read_metrics(dst) if r["step"] <= step]
+    (dst / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    return dst
 
 
 def popen_train(run_dir: Path, cache_dir: Path, *overrides: str,

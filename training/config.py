@@ -2,8 +2,11 @@
 
 Registered with Hydra's ConfigStore as the schema of `recipes/train.yaml`, so every YAML
 file and command-line override is checked in struct mode: an unknown key, a wrong type or a
-value outside a choice's fails at start-up with the key's full name (exit 1). `validate` then runs
-every group's own checks before anything is written (exit 2).
+value outside a choice's fails at start-up with the key's full name (exit 1). Each group's
+schema then checks its own fields in `__post_init__`, which `OmegaConf.to_object` runs: a numeric
+field's range is declared on the field (`field_ranges`). `validate` holds the checks across groups
+(and over the world size), then those that read files; all before anything is written (exit 2,
+exit 3 for a missing file).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from data.config import DataConfig, validate_config
+from data.config import DataConfig, check_files_exist, check_runnable
+from errors import ConfigError
+from field_ranges import above, at_least, check_fields, within
 from model.config import ModelConfig
 from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
-from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers, validate_precision
+from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers
 
+from .distributed import data_parallel_size
 from .plan import PlanConfig
 
 
@@ -78,54 +84,63 @@ class RunConfig:
     # Build on the meta device, print and write plan.json, train nothing.
     dry_run: bool = False
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        check_fields(self, "run")
         if not str(self.dir).strip():
-            raise ValueError("run.dir='' : give the directory for the run's files (default "
-                             "runs/${run.name}); an empty one would be the working directory")
+            raise ConfigError("run.dir='' : give the directory for the run's files (default "
+                              "runs/${run.name}); an empty one would be the working directory")
 
 
 @dataclass
 class ParallelConfig:
-    tensor: int = 1
-    pipeline: int = 1
+    tensor: int = field(default=1, metadata=at_least(1))
+    pipeline: int = field(default=1, metadata=at_least(1))
     # Layers in the first/last pipeline stage when the pattern does not split evenly.
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
+    first_stage_layers: Optional[int] = field(default=None, metadata=at_least(1))
+    last_stage_layers: Optional[int] = field(default=None, metadata=at_least(1))
     sequence: bool = False
     # auto: gloo on CPU, nccl on GPUs.
     backend: ProcessGroupBackend = ProcessGroupBackend.auto
 
+    def __post_init__(self) -> None:
+        check_fields(self, "parallel")
+        if self.sequence and self.tensor == 1:
+            raise ConfigError("parallel.sequence=true needs parallel.tensor > 1 (it splits the "
+                              "sequence over the tensor-parallel ranks)")
+
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 200
-    global_batch_size: int = 8
-    micro_batch_size: int = 4
-    seq_length: int = 256
-    lr: float = 3e-3
-    min_lr: float = 3e-5
-    warmup_steps: int = 20
+    max_steps: int = field(default=200, metadata=at_least(1))
+    global_batch_size: int = field(default=8, metadata=at_least(1))
+    micro_batch_size: int = field(default=4, metadata=at_least(1))
+    seq_length: int = field(default=256, metadata=at_least(1))
+    lr: float = field(default=3e-3, metadata=above(0))
+    # At most lr (checked in __post_init__).
+    min_lr: float = field(default=3e-5, metadata=at_least(0))
+    warmup_steps: int = field(default=20, metadata=at_least(0))
     # Warmup-stable-decay: the lr decays over this last fraction of the steps.
-    decay_fraction: float = 0.2
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 1234
-    log_every: int = 1
-    eval_every: int = 50
-    eval_batches: int = 4
-    save_every: int = 100
-    keep_last: int = 3
+    decay_fraction: float = field(default=0.2, metadata=within(0, 1))
+    weight_decay: float = field(default=0.1, metadata=at_least(0))
+    adam_beta1: float = field(default=0.9, metadata=within(0, 1, high_open=True))
+    adam_beta2: float = field(default=0.95, metadata=within(0, 1, high_open=True))
+    adam_eps: float = field(default=1e-8, metadata=above(0))
+    grad_clip: float = field(default=1.0, metadata=at_least(0, "0: no clipping"))
+    # torch and numpy take any seed below 2**32; 2**31 leaves room for the per-rank offsets.
+    seed: int = field(default=1234, metadata=within(0, 2**31, high_open=True))
+    log_every: int = field(default=1, metadata=at_least(1))
+    eval_every: int = field(default=50, metadata=at_least(1))
+    eval_batches: int = field(default=4, metadata=at_least(1))
+    save_every: int = field(default=100, metadata=at_least(1))
+    keep_last: int = field(default=3, metadata=at_least(0, "0 keeps every checkpoint"))
     # What a NaN/Inf loss does: "stop" (exit code 4, no checkpoint) or "skip" the step.
     on_nan: OnNan = OnNan.stop
     # With on_nan=skip: this many skipped steps in a row stop the run (exit code 4).
-    max_consecutive_skips: int = 3
+    max_consecutive_skips: int = field(default=3, metadata=at_least(1))
     # Every N steps: each layer's gradient norm and non-finite fraction -> metrics.jsonl/W&B
     # grad/<layer>/..., and a console line (0 = off). A non-finite step is always reported with
     # the first layer (in backward order) whose gradients went non-finite.
-    grad_health_every: int = 100
+    grad_health_every: int = field(default=100, metadata=at_least(0, "0: off"))
     # Shard the FP32 master weights and Adam moments over the data-parallel ranks (megatron's
     # distributed optimizer): optimizer memory per rank / data-parallel size.
     distributed_optimizer: bool = False
@@ -140,7 +155,12 @@ class TrainerConfig:
     # chunks of recompute_layers layers, block: the first recompute_layers layers per stage).
     recompute: Recompute = Recompute.none
     recompute_method: RecomputeMethod = RecomputeMethod.uniform
-    recompute_layers: int = 1
+    recompute_layers: int = field(default=1, metadata=at_least(1))
+
+    def __post_init__(self) -> None:
+        check_fields(self, "trainer")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"trainer.min_lr={self.min_lr} must be in [0, trainer.lr={self.lr}]")
 
 
 @dataclass
@@ -150,6 +170,9 @@ class LoggerConfig:
     project: str = "nvfp4-pretrain"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "logger")
 
 
 @dataclass
@@ -161,22 +184,17 @@ class EvaluationConfig:
     tasks: list[str] = field(default_factory=list)
     # Every N optimizer steps, and at the last step. The step's checkpoint is written before the
     # evaluation, so a run killed during one resumes it without training again.
-    every: int = 100
+    every: int = field(default=100, metadata=at_least(1))
     # Samples per task (null: all of them).
-    limit: Optional[int] = None
+    limit: Optional[int] = field(default=None, metadata=at_least(1, "or null: every sample"))
     # Requests per forward (each a row of up to trainer.seq_length tokens).
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata=at_least(1))
 
-    def validate(self) -> None:
-        for key in ("every", "batch_size"):
-            value = getattr(self, key)
-            if not (_number(value) and value >= 1):
-                raise ValueError(f"evaluation.{key}={value} must be >= 1")
-        if self.limit is not None and not (_number(self.limit) and self.limit >= 1):
-            raise ValueError(f"evaluation.limit={self.limit} must be >= 1 (or null: every sample)")
+    def __post_init__(self) -> None:
+        check_fields(self, "evaluation")
         for task in self.tasks:
             if not str(task).strip():
-                raise ValueError("evaluation.tasks: an empty task name")
+                raise ConfigError("evaluation.tasks: an empty task name")
 
 
 @dataclass
@@ -211,100 +229,60 @@ def register_configs() -> None:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Every group's checks that Hydra's types cannot express (ranges, cross-field rules, the
-    layout over `world_size` processes), before anything is written; each error names the key.
-    A run's data files and tokenizer must exist (MissingDataError); a dry run plans without them."""
-    cfg.run.validate()
-    check_ranges(cfg)
-    cfg.evaluation.validate()
-    cfg.model.validate()
+    """The checks across groups and over `world_size` processes, then those that read files,
+    before anything is written; each error names a key. Every group checked its own fields when
+    it was built (`__post_init__`). ConfigError (exit 2); a run's missing data file or tokenizer
+    is a MissingDataError (exit 3), an unusable model.init_from an HFError; a dry run plans
+    without the data files."""
+    check_across_groups(cfg, world_size)
     if cfg.model.init_from is not None:
+        from model.hf import check_init_from
+
         from .init_from import check_run_init, is_run_dir
 
+        check_init_from(cfg.model)  # a Hugging Face directory: config.json and the file list
         if is_run_dir(cfg.model.init_from):  # its shape and a usable checkpoint, read-only
             check_run_init(cfg.model)
-    validate_config(cfg.data, check_files=not cfg.run.dry_run)
+    if not cfg.run.dry_run:
+        check_files_exist(cfg.data)
+    check_runnable(cfg.data)  # after the files: a missing tokenizer is reported as missing
+
+
+def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
+    """The pure checks that involve more than one group, or the world size (ConfigError)."""
+    _check_plan(cfg.plan)
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
-    if t < 1 or p < 1 or world_size % (t * p):
-        raise ValueError(
-            f"parallel.tensor={t} x parallel.pipeline={p} must divide the world size "
-            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
-        )
-    dp = world_size // (t * p)
+    dp = data_parallel_size(t, p, world_size)
     tr = cfg.trainer
     if tr.global_batch_size % (tr.micro_batch_size * dp):
-        raise ValueError(
+        raise ConfigError(
             f"trainer.global_batch_size={tr.global_batch_size} must be a multiple of "
             f"trainer.micro_batch_size={tr.micro_batch_size} x data parallel {dp}"
         )
     if tr.seq_length > cfg.model.max_sequence_length:
-        raise ValueError(
+        raise ConfigError(
             f"trainer.seq_length={tr.seq_length} exceeds model.max_sequence_length="
             f"{cfg.model.max_sequence_length}"
         )
-    if cfg.parallel.sequence and t == 1:
-        raise ValueError("parallel.sequence=true needs parallel.tensor > 1 (it splits the "
-                         "sequence over the tensor-parallel ranks)")
     if cfg.parallel.sequence and tr.seq_length % t:
-        raise ValueError(f"trainer.seq_length={tr.seq_length} must be divisible by "
-                         f"parallel.tensor={t} with parallel.sequence=true")
-    recompute_config(tr).validate()
-    validate_precision(cfg.precision)
-    if cfg.precision.format != "bf16":
-        resolve_bf16_layers(cfg.precision, cfg.model.num_layers, cfg.model.bf16_first_layers,
-                            cfg.model.bf16_last_layers)
-    pipeline_stages(cfg.model.num_layers, p, cfg.parallel.first_stage_layers,
-                    cfg.parallel.last_stage_layers)
+        raise ConfigError(f"trainer.seq_length={tr.seq_length} must be divisible by "
+                          f"parallel.tensor={t} with parallel.sequence=true")
+    try:  # nvfp4_recipe and the memory model refuse with plain ValueErrors (the wheel's floor)
+        if cfg.precision.format != "bf16":
+            resolve_bf16_layers(cfg.precision, cfg.model.num_layers, cfg.model.bf16_first_layers,
+                                cfg.model.bf16_last_layers)
+        pipeline_stages(cfg.model.num_layers, p, cfg.parallel.first_stage_layers,
+                        cfg.parallel.last_stage_layers)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check(key: str, value, ok: bool, rule: str) -> None:
-    if not (_number(value) and ok):
-        raise ValueError(f"{key}={value} {rule}")
-
-
-def check_ranges(cfg: TrainConfig) -> None:
-    """Every numeric key of the trainer, parallel and plan groups within its range (the model's,
-    data's and precision's own validators check theirs); run before anything is written."""
-    tr = cfg.trainer
-    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every",
-                "eval_every", "eval_batches", "save_every", "max_consecutive_skips",
-                "recompute_layers"):
-        value = getattr(tr, key)
-        _check(f"trainer.{key}", value, value >= 1, "must be >= 1")
-    _check("trainer.warmup_steps", tr.warmup_steps, tr.warmup_steps >= 0, "must be >= 0")
-    _check("trainer.grad_health_every", tr.grad_health_every, tr.grad_health_every >= 0,
-           "must be >= 0 (0: off)")
-    _check("trainer.keep_last", tr.keep_last, tr.keep_last >= 0,
-           "must be >= 0 (0 keeps every checkpoint)")
-    _check("trainer.seed", tr.seed, 0 <= tr.seed < 2**31, "must be in [0, 2**31)")
-    _check("trainer.lr", tr.lr, tr.lr > 0, "must be a finite number > 0")
-    _check("trainer.min_lr", tr.min_lr, 0 <= tr.min_lr <= tr.lr,
-           f"must be in [0, trainer.lr={tr.lr}]")
-    _check("trainer.decay_fraction", tr.decay_fraction, 0 <= tr.decay_fraction <= 1,
-           "must be in [0, 1]")
-    _check("trainer.weight_decay", tr.weight_decay, tr.weight_decay >= 0, "must be >= 0")
-    _check("trainer.grad_clip", tr.grad_clip, tr.grad_clip >= 0, "must be >= 0 (0: no clipping)")
-    for key in ("adam_beta1", "adam_beta2"):
-        value = getattr(tr, key)
-        _check(f"trainer.{key}", value, 0 <= value < 1, "must be in [0, 1)")
-    _check("trainer.adam_eps", tr.adam_eps, tr.adam_eps > 0, "must be a finite number > 0")
-    par = cfg.parallel
-    for key in ("tensor", "pipeline"):
-        value = getattr(par, key)
-        _check(f"parallel.{key}", value, value >= 1, "must be >= 1")
-    for key in ("first_stage_layers", "last_stage_layers"):
-        value = getattr(par, key)
-        if value is not None:
-            _check(f"parallel.{key}", value, value >= 1, "must be >= 1 (or null)")
-    plan = cfg.plan
-    if plan.gpus is not None:
-        _check("plan.gpus", plan.gpus, plan.gpus >= 1, "must be >= 1 (or null)")
-    if plan.total_tokens is not None:
-        _check("plan.total_tokens", plan.total_tokens, plan.total_tokens >= 1,
-               "must be >= 1 (or null)")
-    _check("plan.peak_tflops", plan.peak_tflops, plan.peak_tflops > 0, "must be > 0")
-    _check("plan.mfu", plan.mfu, 0 < plan.mfu <= 1, "must be in (0, 1]")
+def _check_plan(plan: PlanConfig) -> None:
+    """PlanConfig's ranges, until its schema (training/plan.py) declares them on its fields."""
+    for key, bounds in (("gpus", at_least(1)), ("total_tokens", at_least(1)),
+                        ("peak_tflops", above(0)), ("mfu", within(0, 1, low_open=True))):
+        value = getattr(plan, key)
+        if value is not None and not bounds["range"].contains(value):
+            raise ConfigError(f"plan.{key}={value} {bounds['range'].rule(key in ('gpus', 'total_tokens'))}")

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from errors import ConfigError
 from model.device import Hardware, cuda_present, probe_hardware
 
 
@@ -51,6 +52,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def data_parallel_size(tensor: int, pipeline: int, world_size: int) -> int:
+    """world size / (tensor x pipeline), or ConfigError when it does not divide: the config's
+    `validate` checks it, and init_distributed before megatron splits the process group."""
+    if world_size % (tensor * pipeline):
+        raise ConfigError(
+            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} must divide the world size "
+            f"({world_size} processes); data parallel = world size / (tensor x pipeline)"
+        )
+    return world_size // (tensor * pipeline)
+
+
 def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> ParallelContext:
     """Join the process group torchrun set up (or make a one-process group) and split it."""
     from megatron.core import parallel_state
@@ -67,11 +79,7 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> Paral
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tensor * pipeline):
-        raise ValueError(
-            f"parallel.tensor={tensor} x parallel.pipeline={pipeline} does not divide the "
-            f"world size {world}"
-        )
+    data_parallel_size(tensor, pipeline, world)  # megatron's own refusal would be a RuntimeError
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline

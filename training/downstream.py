@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from errors import ConfigError, MissingError
+
 log = logging.getLogger("nvfp4_pretrain")
 
 # The tasks the repository ships (data/make_eval_tasks.py writes them).
@@ -26,12 +28,12 @@ LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas"}
 LM_EVAL_HINT = "lm-eval is not installed: pip install -e '.[eval]' (or `make setup`)"
 
 
-class TaskUnavailable(Exception):
-    """A task whose dataset needs the network and is not cached (or lm-eval is missing)."""
+class TaskUnavailable(MissingError):
+    """A task whose dataset needs the network and is not cached, or lm-eval is missing (exit 3)."""
 
 
-class UnknownTask(TaskUnavailable):
-    """A name that is no lm-eval task, group or tag, nor a task YAML file."""
+class UnknownTask(ConfigError):
+    """A name that is no lm-eval task, group or tag, nor a task YAML file (exit 2)."""
 
 
 def go_offline() -> None:

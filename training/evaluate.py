@@ -1,21 +1,23 @@
 """Evaluate any checkpoint of a run on lm-eval tasks, with the model as training builds it.
 
     python -m training.evaluate RUN_DIR [--step N] --tasks demo_arith_choice,... [--limit N]
-        [--batch-size B] [--output results.json] [--tensor T --pipeline P]
+        [--batch-size B] [--output results.json [--log-samples]] [--tensor T --pipeline P
+        [--first-stage-layers F] [--last-stage-layers L]]
 
 Reads the run's config.yaml (model, precision, tokenizer) and its newest intact checkpoint (or
 --step N), builds the model as the trainer does (the run's precision: emulated NVFP4 on a CPU,
 TE on Blackwell), loads the weights into any tensor/pipeline layout (under torchrun, --tensor and
 --pipeline split the processes), and runs lm-eval's `simple_evaluate` over `ProjectLM`
 (training/lm_eval_model.py). Prints lm-eval's table; --output gets lm-eval's results (scores,
-stderr, configs) and the flat `eval/<task>/<metric>` values.
+stderr, configs) and the flat `eval/<task>/<metric>` values, and with --log-samples lm-eval's
+per-sample records (each request's log-likelihood).
 
 Tasks: names from data/eval_tasks/ (the shipped, offline demo tasks), lm-eval's own catalogue,
 or paths to task YAMLs. Offline by design: a task whose dataset is not local or cached is
-refused before anything runs. Exit codes as the trainer's: 2 a bad argument (run directory,
-step, an unknown task, --output), 3 a task's dataset is not available offline (or lm-eval is not
-installed) or the tokenizer is missing,
-6 the checkpoint is torn, corrupt or refused, 8 --output cannot be written.
+refused before anything runs. Exit codes (errors.ExitCode): 2 a bad argument (run directory,
+step, an unknown task, a layout that does not fit, --output), 3 a task's dataset is not
+available offline (or lm-eval is not installed) or the tokenizer is missing, 6 the checkpoint is
+torn, corrupt or refused, 8 --output cannot be written.
 """
 
 from __future__ import annotations
@@ -28,15 +30,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from errors import ConfigError, ExitCode, MissingError, ProjectError
+
 log = logging.getLogger("nvfp4_pretrain")
-
-EXIT_CONFIG, EXIT_MISSING, EXIT_NO_CHECKPOINT, EXIT_UNWRITABLE = 2, 3, 6, 8
-
-
-class EvaluateError(Exception):
-    def __init__(self, message: str, code: int = EXIT_CONFIG):
-        super().__init__(message)
-        self.code = code
 
 
 def parse_args(argv):
@@ -51,34 +47,51 @@ def parse_args(argv):
     p.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     p.add_argument("--tensor", type=int, default=1)
     p.add_argument("--pipeline", type=int, default=1)
+    p.add_argument("--first-stage-layers", type=int, default=None,
+                   help="layers in the first pipeline stage when the pattern does not split "
+                        "evenly (as parallel.first_stage_layers)")
+    p.add_argument("--last-stage-layers", type=int, default=None,
+                   help="layers in the last pipeline stage (as parallel.last_stage_layers)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--log-samples", action="store_true",
+                   help="put lm-eval's per-sample records (each choice's log-likelihood, the "
+                        "metrics) into --output")
     return p.parse_args(argv)
 
 
 def check_args(args) -> list[str]:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
-        raise EvaluateError("--tasks: give at least one task")
-    for key in ("limit", "batch_size", "tensor", "pipeline"):
+        raise ConfigError("--tasks: give at least one task")
+    for key in ("limit", "batch_size", "tensor", "pipeline", "first_stage_layers",
+                "last_stage_layers"):
         value = getattr(args, key)
         if value is not None and value < 1:
-            raise EvaluateError(f"--{key.replace('_', '-')}={value}: must be >= 1")
+            raise ConfigError(f"--{key.replace('_', '-')}={value}: must be >= 1")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+    if world % (args.tensor * args.pipeline):
+        raise ConfigError(f"--tensor={args.tensor} x --pipeline={args.pipeline} does not divide "
+                          f"the {world} processes")
+    if args.log_samples and args.output is None:
+        raise ConfigError("--log-samples: the samples go into --output; give --output FILE")
     if args.output is not None:
         out = args.output.expanduser()
         if out.is_dir():
-            raise EvaluateError(f"--output={out}: is a directory; give a file name")
+            raise ConfigError(f"--output={out}: is a directory; give a file name")
         if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-            raise EvaluateError(f"--output={out}: its directory does not exist or cannot be "
-                                "written", EXIT_UNWRITABLE)
+            raise ProjectError(f"--output={out}: its directory does not exist or cannot be "
+                               "written", ExitCode.UNWRITABLE)
     return tasks
 
 
-def load_model(run_dir: Path, step: Optional[int], ctx):
+def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
+               last_stage_layers=None):
     """(built model on this rank with the checkpoint's weights, run files, checkpoint path)."""
     from data.demo import ensure_demo_corpus
     from data.tokenizer import load_tokenizer_spec
     from model.build import build_model, choose_backend
     from model.hf import HFError, load_full_tensors
+    from model.memory_model import pipeline_stages
 
     from .hf_export import pick_checkpoint, read_checkpoint_weights, read_run
     from .ddp_optimizer import PARAMS_DTYPE
@@ -87,19 +100,29 @@ def load_model(run_dir: Path, step: Optional[int], ctx):
         files = read_run(run_dir)
         checkpoint = pick_checkpoint(run_dir, step)
     except HFError as exc:
-        raise EvaluateError(str(exc), exc.code) from None
+        raise ProjectError(str(exc), exc.code) from None
+    try:
+        pipeline_stages(files.model.num_layers, ctx.pipeline, first_stage_layers,
+                        last_stage_layers)
+    except ValueError:
+        raise ConfigError(
+            f"--pipeline={ctx.pipeline}: the run's {files.model.num_layers}-layer pattern does "
+            f"not split into {ctx.pipeline} stages with --first-stage-layers="
+            f"{first_stage_layers} --last-stage-layers={last_stage_layers}") from None
     path = files.tokenizer or ensure_demo_corpus(
         os.path.abspath(os.path.expanduser(files.cache_dir)), files.demo).tokenizer_path
     try:
         tokenizer = load_tokenizer_spec(path)
     except (OSError, ValueError) as exc:
-        raise EvaluateError(f"the run's tokenizer: {exc}", EXIT_MISSING) from None
+        raise MissingError(f"the run's tokenizer: {exc}") from None
     backend, _ = choose_backend(files.precision, files.model.spec, ctx.hardware)
     built = build_model(files.model, files.precision,
                         vocab_size=tokenizer.tokenizer.get_vocab_size(),
                         tensor_parallel=ctx.tensor, pipeline_parallel=ctx.pipeline,
                         backend=backend, pre_process=ctx.first_stage,
                         post_process=ctx.last_stage, params_dtype=PARAMS_DTYPE,
+                        num_layers_in_first_stage=first_stage_layers,
+                        num_layers_in_last_stage=last_stage_layers,
                         cuda=ctx.hardware.cuda)
     module = built.module.to(ctx.device)
     try:
@@ -107,12 +130,12 @@ def load_model(run_dir: Path, step: Optional[int], ctx):
 
         def tensor_for(key, shape):
             if key not in weights:
-                raise HFError(f"{checkpoint.name} has no {key}", EXIT_NO_CHECKPOINT)
+                raise HFError(f"{checkpoint.name} has no {key}", ExitCode.NO_USABLE_CHECKPOINT)
             return weights[key]
 
         load_full_tensors(module, tensor_for)
     except HFError as exc:
-        raise EvaluateError(str(exc), exc.code) from None
+        raise ProjectError(str(exc), exc.code) from None
     return built, files, tokenizer, checkpoint
 
 
@@ -140,19 +163,15 @@ def main(argv=None) -> int:
     ctx = None
     try:
         tasks = check_args(args)
-        from .downstream import TaskUnavailable, UnknownTask, prepare_tasks
+        from .downstream import prepare_tasks
 
-        try:
-            manager = prepare_tasks(tasks)  # refused here, before any model is built
-        except UnknownTask as exc:
-            raise EvaluateError(str(exc), EXIT_CONFIG) from None
-        except TaskUnavailable as exc:
-            raise EvaluateError(str(exc), EXIT_MISSING) from None
+        # an unknown task (exit 2), a dataset not here offline (3): before any model is built
+        manager = prepare_tasks(tasks)
         from .distributed import init_distributed, shutdown
 
         ctx = init_distributed(args.tensor, args.pipeline)
         return run(args, tasks, manager, ctx)
-    except EvaluateError as exc:
+    except ProjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
     finally:
@@ -166,13 +185,17 @@ def run(args, tasks, manager, ctx) -> int:
     from .downstream import evaluate, flat_metrics, summary_line, timed
     from .lm_eval_model import ProjectLM
 
-    built, files, tokenizer, checkpoint = load_model(args.run_dir.expanduser(), args.step, ctx)
+    built, files, tokenizer, checkpoint = load_model(
+        args.run_dir.expanduser(), args.step, ctx, args.first_stage_layers,
+        args.last_stage_layers)
     controller, step = precision_at(built, files, checkpoint, args.run_dir.expanduser())
     lm = ProjectLM(built.module, tokenizer, ctx, hidden_size=files.model.hidden_size,
                    max_length=files.model.max_sequence_length, batch_size=args.batch_size,
+                   vocab_size=files.model.vocab_size,
                    gemm=ctx.hardware.gemm_compute(files.precision.gemm_compute))
     controller.before_evaluation()
-    results, seconds = timed(evaluate, lm, tasks, manager, limit=args.limit, seed=args.seed)
+    results, seconds = timed(evaluate, lm, tasks, manager, limit=args.limit, seed=args.seed,
+                             log_samples=args.log_samples)
     metrics = flat_metrics(results)
     if ctx.is_main:
         print(f"{checkpoint} (step {step})")
@@ -183,11 +206,13 @@ def run(args, tasks, manager, ctx) -> int:
                       "metrics": metrics, "results": results.get("results", {}),
                       "n-samples": results.get("n-samples", {}),
                       "configs": results.get("configs", {}), "versions": results.get("versions")}
+            if args.log_samples:
+                record["samples"] = results.get("samples", {})
             try:
                 args.output.expanduser().write_text(json.dumps(record, indent=2, default=str))
             except OSError as exc:
-                raise EvaluateError(f"--output={args.output}: {exc.strerror or exc}",
-                                    EXIT_UNWRITABLE) from None
+                raise ProjectError(f"--output={args.output}: {exc.strerror or exc}",
+                                   ExitCode.UNWRITABLE) from None
     return 0
 
 

@@ -31,15 +31,18 @@ from .schedules import REPORT_KEY, run_schedule, to_device
 PAD_MULTIPLE = 64
 
 
-def _score_loss(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
+def _score_loss(labels: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int,
+                logits: torch.Tensor):
     """megatron's 3-tuple contract; the report holds each position's log-probability of its
-    label and the greedy (argmax) token, over the full vocabulary."""
+    label and the greedy (argmax) token, over the real vocabulary: the rows megatron pads the
+    output layer with (to a multiple of 128 x TP) are ids no text encodes to, and the HF export
+    strips them, so they take no probability here either."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     if ps.get_tensor_model_parallel_world_size() > 1:  # the output layer's vocabulary shards
         logits = gather_from_tensor_model_parallel_region(logits)
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
     target = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     mask = loss_mask.float()
     total = -(target * mask).sum()
@@ -48,14 +51,14 @@ def _score_loss(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Ten
         "logprob": target.detach(), "argmax": logp.argmax(-1)}
 
 
-def make_score_step(ctx: ParallelContext) -> Callable:
+def make_score_step(ctx: ParallelContext, vocab_size: int) -> Callable:
     """megatron's `forward_step_func`: the model without labels (its logits), scored above."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(to_device(batch["tokens"], ctx.device), None, None)
         return output, partial(_score_loss, to_device(batch["labels"], ctx.device),
-                               to_device(batch["loss_mask"], ctx.device))
+                               to_device(batch["loss_mask"], ctx.device), vocab_size)
 
     return forward_step
 
@@ -66,14 +69,18 @@ class ProjectLM(TemplateLM):
     `model`: the (possibly DDP-wrapped) megatron module of this rank; `tokenizer`: the run's
     `data.tokenizer.TokenizerSpec`; `hidden_size`: what flows between pipeline stages;
     `max_length`: the longest input (longer ones keep their last tokens, as lm-eval's HFLM does);
-    `before`: called before each batch of forwards (the precision controller's refresh)."""
+    `vocab_size`: the real vocabulary (`model.vocab_size`, or None: the tokenizer's), without
+    megatron's padding rows; `before`: called before each batch of forwards (the precision
+    controller's refresh)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, ctx: ParallelContext, *,
                  hidden_size: int, max_length: int, batch_size: int = 8, gemm=None,
                  max_gen_toks: int = 64, pad_multiple: int = PAD_MULTIPLE,
+                 vocab_size: Optional[int] = None,
                  before: Optional[Callable[[], None]] = None):
         super().__init__()
         self.model, self.tok, self.ctx = model, tokenizer, ctx
+        self.vocab_size = vocab_size or tokenizer.tokenizer.get_vocab_size()
         self.hidden_size, self._max_length = hidden_size, max_length
         self.batch_size, self.gemm, self.max_gen_toks = batch_size, gemm, max_gen_toks
         self.pad_multiple = pad_multiple
@@ -125,8 +132,9 @@ class ProjectLM(TemplateLM):
         self.model.eval()
         batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
         shape = (length, len(rows), self.hidden_size)
-        reports = run_schedule(self.model, [batch], self.ctx, shape, make_score_step(self.ctx),
-                               forward_only=True, gemm=self.gemm)
+        reports = run_schedule(self.model, [batch], self.ctx, shape,
+                               make_score_step(self.ctx, self.vocab_size), forward_only=True,
+                               gemm=self.gemm)
         if self.ctx.last_stage:
             logprob = reports[0]["logprob"].float()
             argmax = reports[0]["argmax"].long()

@@ -69,14 +69,39 @@ def test_valid_config_passes():
     (dict(categories={"a": CategoryConfig(prefixes=["demo:poetry"])}, tokenizer=None), r"unknown demo dataset 'poetry'"),
     (dict(categories={"a": CategoryConfig(prefixes=["demo:prose"])}), r"demo tokenizer.*data\.tokenizer=null"),
     (dict(categories={"a": CategoryConfig(prefixes=["/x/a.bin"])}), r"without the \.bin/\.idx"),
-    (dict(total_tokens=0), r"data\.total_tokens = 0"),
+    (dict(total_tokens=0), r"^data\.total_tokens=0 must be >= 1 \(or null\)$"),
+    (dict(phases=[PhaseConfig("p1", 1.5, {"a": 1})]), r"^data\.phases\[0\] \('p1'\)\.end_fraction=1\.5 must be in \(0, 1\]$"),
 ])
 def test_validation_errors_name_the_key(bad, match):
-    cfg = _cfg(**bad)
     if "categories" in bad and "phases" not in bad and bad["categories"]:
-        cfg.phases = [PhaseConfig("p1", 1.0, {"a": 1.0})]
+        bad = {**bad, "phases": [PhaseConfig("p1", 1.0, {"a": 1.0})]}
     with pytest.raises(DataConfigError, match=match):
-        validate_config(cfg)
+        validate_config(_cfg(**bad))
+
+
+def test_the_schema_refuses_a_bad_entry_when_built_from_yaml():
+    """OmegaConf.to_object builds the dataclasses, so their __post_init__ runs: the composed
+    config is refused before anything else looks at it, naming the key."""
+    raw = {"categories": {"a": {"prefixes": ["/x/a"]}},
+           "phases": [{"name": "p1", "end_fraction": 1.0, "weights": {"a": -2.0}}]}
+    with pytest.raises(DataConfigError, match=r"^data\.phases\[0\] \('p1'\)\.weights\.a = -2\.0"):
+        to_data_config(raw)
+    with pytest.raises(DataConfigError, match=r"^data\.demo\.val_fraction=0\.5 must be in \(0, 0\.5\)$"):
+        to_data_config({"demo": {"val_fraction": 0.5}})
+    assert to_data_config({}).categories == {}  # the schema's default: empty, refused only by
+    with pytest.raises(DataConfigError, match=r"^data\.categories is empty"):  # check_runnable
+        validate_config(to_data_config({}))
+
+
+def test_a_missing_tokenizer_is_reported_before_the_demo_prefixes_that_disagree_with_it(tmp_path):
+    cfg = _cfg(tokenizer=str(tmp_path / "nope.json"),
+               categories={"a": CategoryConfig(prefixes=["demo:prose"])},
+               phases=[PhaseConfig("p1", 1.0, {"a": 1.0})])
+    with pytest.raises(MissingDataError, match=r"nope\.json.*not found"):
+        validate_config(cfg, check_files=True)
+    (tmp_path / "nope.json").write_text("{}")
+    with pytest.raises(DataConfigError, match=r"demo tokenizer.*data\.tokenizer=null"):
+        validate_config(cfg, check_files=True)
 
 
 def test_missing_prefix_names_path_and_fix(tmp_path):
@@ -93,6 +118,13 @@ def test_missing_prefix_names_path_and_fix(tmp_path):
     msg = str(e.value)
     assert "data.categories.b.prefixes[1]" in msg and str(tmp_path / "b2.bin") in msg
     assert "python -m data.prepare" in msg
+
+
+def test_a_missing_file_is_a_config_error_with_exit_3():
+    from errors import ConfigError, ExitCode
+
+    assert MissingDataError("x").code == ExitCode.MISSING and DataConfigError("x").code == ExitCode.CONFIG
+    assert issubclass(MissingDataError, ConfigError)  # `except DataConfigError` still sees both
 
 
 def test_missing_tokenizer_named(tmp_path):

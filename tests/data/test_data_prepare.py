@@ -5,10 +5,11 @@ import json
 import os
 
 import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 import data.prepare as prep
+from data.indexed import open_indexed
 from errors import ExitCode
-from data.indexed import dataset_exists, open_indexed
 
 TEXTS = [
     "Hello world.\nA second line.",
@@ -91,7 +92,7 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch
     rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
                     "--batch-bytes", "200", "--no-progress"])
     assert rc == 130 and len(calls) == 2
-    assert not dataset_exists(str(out)) and _no_tmp(tmp_path)
+    assert not IndexedDataset.exists(str(out)) and _no_tmp(tmp_path)
 
 
 def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, monkeypatch,
@@ -112,7 +113,7 @@ def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, 
                       "--no-progress"]) == ExitCode.UNWRITABLE
     assert capsys.readouterr().err.strip() == (f"error: --output {out} cannot be written: disk vanished; "
                                                 "no output written")
-    assert not dataset_exists(str(out))
+    assert not IndexedDataset.exists(str(out))
 
 
 def test_refuses_overwrite_unless_asked(tmp_path, tiny_tokenizer, capsys):
@@ -210,9 +211,9 @@ def test_sigkill_mid_way_then_a_rerun_leaves_no_temporaries(tmp_path, tiny_token
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not _no_tmp(tmp_path) and not dataset_exists(str(out))  # what the kill left
+    assert not _no_tmp(tmp_path) and not IndexedDataset.exists(str(out))  # what the kill left
     assert prep.main(args) == 0
-    assert _no_tmp(tmp_path) and dataset_exists(str(out))
+    assert _no_tmp(tmp_path) and IndexedDataset.exists(str(out))
 
 
 def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_tokenizer, capsys):
@@ -223,7 +224,7 @@ def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_to
     assert rc == ExitCode.BAD_INPUT
     assert "no documents in the input: all 3 records were dropped, 3 as invalid (3 invalid UTF-8)" in err
     assert "latin1.txt:1: invalid UTF-8 at byte 3" in err
-    assert not dataset_exists(str(tmp_path / "ds")) and _no_tmp(tmp_path)
+    assert not IndexedDataset.exists(str(tmp_path / "ds")) and _no_tmp(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,7 +300,7 @@ def test_parquet_bad_values_are_counted_with_file_and_row(tmp_path, tiny_tokeniz
                                     f"{tmp_path / 'x.parquet'}:row 3: invalid UTF-8 at byte 3"]
     assert prep.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null (--strict)" in capsys.readouterr().err
-    assert not dataset_exists(str(tmp_path / "strict")) and _no_tmp(tmp_path)
+    assert not IndexedDataset.exists(str(tmp_path / "strict")) and _no_tmp(tmp_path)
 
 
 @pytest.mark.parametrize("column,message", [
@@ -380,7 +381,7 @@ def test_hf_tokenizer_directory_without_eos_is_refused(tmp_path, tiny_tokenizer,
     rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output", str(tmp_path / "ds")])
     assert rc == 2
     assert "tokenizer_config.json has no eos_token: it is needed to end every document" in capsys.readouterr().err
-    assert not dataset_exists(str(tmp_path / "ds"))
+    assert not IndexedDataset.exists(str(tmp_path / "ds"))
 
 
 def test_training_data_reads_an_hf_tokenizer_directory(tmp_path):

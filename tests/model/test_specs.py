@@ -72,7 +72,10 @@ def megatron_te_stack(monkeypatch):
 
     yield mamba_stack_spec.submodules, MambaMixer
     for name in set(sys.modules) - before:
-        sys.modules.pop(name, None)
+        module = sys.modules.pop(name)
+        parent, _, child = name.rpartition(".")  # else `from parent import child` finds it
+        if getattr(sys.modules.get(parent), child, None) is module:
+            delattr(sys.modules[parent], child)
 
 
 def test_te_mamba_layer_takes_chunk_size_and_gated_norm_eps(megatron_te_stack, monkeypatch,

@@ -214,7 +214,7 @@ def test_blocked_transpose_and_fused_rht_equal_the_unfused_composition(dtype, to
     # The Wgrad source is built block by block (transpose in cache, RHT on each block); it must be
     # bit-identical to pad(t^T) and to random_hadamard_transform(pad(t^T)) computed whole.
     from nvfp4_recipe.hadamard import rht_matrix
-    from nvfp4_recipe.linear import transpose_padded
+    from nvfp4_recipe.operands import transpose_padded
 
     t = _heavy_tailed(tokens, 48, dtype)
     plain = _pad_t(t, 16)
@@ -229,7 +229,7 @@ def test_blocked_rht_equals_the_whole_tensor_rht_at_model_widths():
     # The per-block GEMMs have far fewer rows than a whole-tensor one; the per-row sums must not
     # depend on the row count. 1024 channels x 384 tokens, heavy-tailed, bf16 (the Wgrad input).
     from nvfp4_recipe.hadamard import rht_matrix
-    from nvfp4_recipe.linear import transpose_padded
+    from nvfp4_recipe.operands import transpose_padded
 
     t = _heavy_tailed(384, 1024, torch.bfloat16, seed=3)
     fused = transpose_padded(t, 16, rht_matrix())
@@ -239,7 +239,8 @@ def test_blocked_rht_equals_the_whole_tensor_rht_at_model_widths():
 def test_fast_output_is_the_bf16_gemm_times_the_fp32_scales_rounded_once_more():
     # emulated_gemm multiplies the bf16 GEMM output in place by the 0-d FP32 scale product: torch
     # must compute that in FP32 (not round the scale to bf16 first), or outputs drift by ~2**-8.
-    from nvfp4_recipe.linear import GemmOperand, emulated_gemm
+    from nvfp4_recipe.linear import emulated_gemm
+    from nvfp4_recipe.operands import GemmOperand
     from nvfp4_recipe.nvfp4 import nvfp4_scaled_values
 
     x, w, _, _ = _problem(tokens=(64,), dtype=torch.bfloat16)

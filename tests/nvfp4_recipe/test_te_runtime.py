@@ -102,35 +102,16 @@ def test_weights_are_quantized_once_per_step_never_reused_across_steps():
     assert all(m.quantized_at == [0, 1, 2] for m in caches)  # once per step, every step
 
 
-def test_trainer_refreshes_before_every_step_and_evaluation(tmp_path, data_cache, monkeypatch):
+def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
     """B: the trainer resets every TE weight cache at the start of a step and of an evaluation
     (before this, nothing did: megatron only resets when config.fp8/fp4 is set)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from training.config import register_configs
-    from training.distributed import init_distributed, shutdown
-    from training.trainer import Trainer, prepare_run_dir
-    from train_helpers import FAST, REPO
-
-    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
-    register_configs()
-    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
-        raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path}", "trainer.max_steps=1",
-                                          "trainer.eval_every=1"])
-    cfg = OmegaConf.to_object(raw)
-    ctx = init_distributed(1, 1, "gloo")
-    try:
-        prepare_run_dir(cfg, ctx)
-        trainer = Trainer(cfg, ctx)
-        fake = FakeTEWrapper()
-        trainer.core.add_module("fake_te_linear", fake)
-        trainer.precision.weight_caches = modules_with_weight_cache(trainer.core)
-        fake.is_first_microbatch = False
-        trainer.train_step(trainer.data.train.next_global_batch())
-        assert fake.is_first_microbatch is True
-        fake.is_first_microbatch = False
-        trainer.evaluate()
-        assert fake.is_first_microbatch is True
-    finally:
-        shutdown()
+    trainer = make_trainer("trainer.max_steps=1", "trainer.eval_every=1")
+    fake = FakeTEWrapper()
+    trainer.core.add_module("fake_te_linear", fake)
+    trainer.precision.weight_caches = modules_with_weight_cache(trainer.core)
+    fake.is_first_microbatch = False
+    trainer.train_step(trainer.data.train.next_global_batch())
+    assert fake.is_first_microbatch is True
+    fake.is_first_microbatch = False
+    trainer.evaluate()
+    assert fake.is_first_microbatch is True

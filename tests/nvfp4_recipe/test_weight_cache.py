@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nvfp4_recipe import NVFP4Config, quantized_linear
-from nvfp4_recipe.linear import WeightOperandCache, _NVFP4Ops
+from nvfp4_recipe.linear import WeightOperandCache
+from nvfp4_recipe.operands import _NVFP4Ops
 from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
 
 

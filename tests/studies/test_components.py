@@ -1,4 +1,4 @@
-"""The component study (studies/components.py, issue 18).
+"""The component study (studies/components/, issue 18).
 
 Its GEMMs are the recipe's (bit for bit against `quantized_linear`), its quantizers agree with the
 independent reference on captured tensors, its capture records what the GEMMs saw, and on small
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from studies import components as C
+from studies.components import capture, gemms, measure, passes, stats, study
 from nvfp4_recipe import MXFP4Config, NVFP4Config, quantized_linear
 from train_helpers import REPO
 
@@ -27,9 +27,9 @@ SEQ, BATCH, VOCAB = 64, 2, 256
 @pytest.fixture(scope="module", autouse=True)
 def eager_quantizers():
     """The same bits as the compiled kernels (nvfp4_recipe.kernels), without compiling them here."""
-    saved, C.KERNELS = C.KERNELS, "eager"
+    saved, gemms.KERNELS = gemms.KERNELS, "eager"
     yield
-    C.KERNELS = saved
+    gemms.KERNELS = saved
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,14 @@ def demo(parallel_context):
     model, _ = build_data_parallel_model(core, TrainerConfig(), parallel_context)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
-    modules = C.precision_linears(core)
-    capture = C.Capture(modules)
-    capture.active = True
+    modules = capture.precision_linears(core)
+    recorder = capture.Capture(modules)
+    recorder.active = True
     model.zero_grad_buffer()
     run_micro_batches(model, [batch], parallel_context, (SEQ, BATCH, cfg.hidden_size))
-    capture.active = False
-    tensors = capture.take()
-    capture.remove()
+    recorder.active = False
+    tensors = recorder.take()
+    recorder.remove()
     grads = {n: m.weight.main_grad.clone() for n, m in modules.items()}
     model.zero_grad_buffer()
     return SimpleNamespace(cfg=cfg, model=model, ctx=parallel_context, modules=modules, batch=batch,
@@ -68,20 +68,20 @@ def demo(parallel_context):
 @pytest.fixture(scope="module")
 def measured(demo):
     """measure_linear on every captured linear (a few seconds with eager quantizers)."""
-    return {n: C.measure_linear(r["x"], r["w"], r["dy"], n) for n, r in demo.tensors.items()}
+    return {n: measure.measure_linear(r["x"], r["w"], r["dy"], n) for n, r in demo.tensors.items()}
 
 
 def test_t_quantiles_and_intervals():
     # Student-t 0.975 quantiles from tables
     for df, want in ((1, 12.706), (2, 4.303), (11, 2.201), (30, 2.042)):
-        assert C.t_quantile(0.975, df) == pytest.approx(want, abs=1e-3)
-    ci = C.interval([1.0, 2.0, 3.0])
+        assert stats.t_quantile(0.975, df) == pytest.approx(want, abs=1e-3)
+    ci = stats.interval([1.0, 2.0, 3.0])
     assert ci["mean"] == 2.0 and ci["n"] == 3
     assert ci["hi"] - 2.0 == pytest.approx(4.303 * 1.0 / math.sqrt(3), abs=1e-3)
-    assert not C.excludes_zero(ci) and C.excludes_zero(C.interval([2.0, 2.1, 1.9]))
-    neg = C.negated(ci)
+    assert not stats.excludes_zero(ci) and stats.excludes_zero(stats.interval([2.0, 2.1, 1.9]))
+    neg = stats.negated(ci)
     assert (neg["lo"], neg["mean"], neg["hi"]) == (-ci["hi"], -2.0, -ci["lo"])
-    assert C.interval([5.0])["lo"] is None  # no interval from one value
+    assert stats.interval([5.0])["lo"] is None  # no interval from one value
 
 
 @pytest.mark.parametrize("fmt,rht,sr,weight_2d", [
@@ -100,12 +100,12 @@ def test_study_gemms_are_the_recipes_gemms(fmt, rht, sr, weight_2d):
     y = quantized_linear(xr, wr, None, config, torch.Generator().manual_seed(5))
     y.backward(dy)
 
-    gemms = C.Gemms(fmt, rht, sr, weight_2d)
+    study_gemms = gemms.Gemms(fmt, rht, sr, weight_2d)
     x2d, dy2d = x.reshape(-1, 64), dy.reshape(-1, 96)
     draws = torch.Generator().manual_seed(5)  # the backward draws Dgrad's SR first, then Wgrad's
-    assert torch.equal(gemms.fprop(x2d, w).bfloat16(), y.reshape(-1, 96))
-    assert torch.equal(gemms.dgrad(dy2d, w, draws).bfloat16(), xr.grad.reshape(-1, 64))
-    assert torch.equal(gemms.wgrad(dy2d, x2d, draws).bfloat16(), wr.grad)
+    assert torch.equal(study_gemms.fprop(x2d, w).bfloat16(), y.reshape(-1, 96))
+    assert torch.equal(study_gemms.dgrad(dy2d, w, draws).bfloat16(), xr.grad.reshape(-1, 64))
+    assert torch.equal(study_gemms.wgrad(dy2d, x2d, draws).bfloat16(), wr.grad)
 
 
 def test_capture_records_what_each_gemm_saw(demo):
@@ -118,17 +118,17 @@ def test_capture_records_what_each_gemm_saw(demo):
         # the weight's own gradient (a BF16 GEMM, FP32 main grad) is dY^T x of what was captured
         dw = rec["dy"].reshape(-1, rec["dy"].shape[-1]).float().t() @ \
             rec["x"].reshape(-1, rec["x"].shape[-1]).float()
-        assert C.rel(demo.grads[name], dw) < 1e-2, name  # within BF16 rounding of the GEMM
+        assert gemms.rel(demo.grads[name], dw) < 1e-2, name  # within BF16 rounding of the GEMM
 
 
 def test_quantizers_agree_with_the_reference_on_captured_slices(demo):
-    ref = C.load_reference()
+    ref = measure.load_reference()
     assert ref is not None
     rows = []
     for name in ("layers.0.mixer.in_proj", "layers.1.self_attention.linear_proj"):
         for role in ("x", "w", "dy"):
             t = demo.tensors[name][role]
-            rows += C.reference_check(ref, t.reshape(-1, t.shape[-1])[:32, :64], f"{name} {role}")
+            rows += measure.reference_check(ref, t.reshape(-1, t.shape[-1])[:32, :64], f"{name} {role}")
     assert len(rows) == 18 and all(r["max_abs_diff"] == 0.0 for r in rows), rows
 
 
@@ -137,7 +137,7 @@ def test_stochastic_rounding_bias_shrinks_with_draws_while_nearest_stays(measure
     nearest rounding returns the same tensor every time, so its bias cannot shrink. A single SR
     draw errs more than nearest (per element (v - lo)(hi - v) >= min(v - lo, hi - v)^2)."""
     for name, m in measured.items():
-        nearest = [m[f"repeat/nearest/{n}"] for n in C.REPEAT_NS]
+        nearest = [m[f"repeat/nearest/{n}"] for n in measure.REPEAT_NS]
         assert len(set(nearest)) == 1 and nearest[0] > 0, name
         sr_1, sr_32 = m["repeat/sr/1"], m["repeat/sr/32"]
         assert sr_1 > nearest[0], name
@@ -171,22 +171,22 @@ def test_rht_changes_nothing_but_the_quantization_and_spreads_outliers(demo):
     kurtosis along T and the share of small values flushed to zero."""
     rec = demo.tensors["layers.0.mixer.in_proj"]
     x2d, dy2d = rec["x"].reshape(-1, rec["x"].shape[-1]), rec["dy"].reshape(-1, rec["dy"].shape[-1])
-    g = C.Gemms()
+    g = gemms.Gemms()
     exact = dy2d.float().t() @ x2d.float()
-    assert C.rel(g.wgrad_source(dy2d) @ g.wgrad_source(x2d).t(), exact) < 1e-5
+    assert gemms.rel(g.wgrad_source(dy2d) @ g.wgrad_source(x2d).t(), exact) < 1e-5
 
     gen = torch.Generator().manual_seed(3)
     t = torch.randn(256, 64, generator=gen)
     t[::16] *= 30.0  # one outlier token per 16-run, as attention-sink / rare-token gradients are
-    plain, rht = C.Gemms(rht=False).wgrad_source(t), g.wgrad_source(t)
-    assert C.kurtosis_rows(rht) < 0.5 * C.kurtosis_rows(plain)
-    flushed_plain = C.flushed(plain, C.nvfp4_operand(plain))
-    flushed_rht = C.flushed(rht, C.nvfp4_operand(rht))
+    plain, rht = gemms.Gemms(rht=False).wgrad_source(t), g.wgrad_source(t)
+    assert gemms.kurtosis_rows(rht) < 0.5 * gemms.kurtosis_rows(plain)
+    flushed_plain = gemms.flushed(plain, gemms.nvfp4_operand(plain))
+    flushed_rht = gemms.flushed(rht, gemms.nvfp4_operand(rht))
     assert flushed_plain > 0.3 and flushed_rht < 0.5 * flushed_plain
     # The report's reading of its RHT result: when the energy sits in the outlier tokens, which a
     # block scale fitted to them keeps almost exact, spreading them costs Wgrad accuracy.
     x = torch.randn(256, 32, generator=gen)
-    errors = [C.rel(C.Gemms(rht=on, sr=False).wgrad(t, x), t.t() @ x) for on in (False, True)]
+    errors = [gemms.rel(gemms.Gemms(rht=on, sr=False).wgrad(t, x), t.t() @ x) for on in (False, True)]
     assert errors[1] > 1.1 * errors[0]
 
 
@@ -197,21 +197,21 @@ def test_recipe_maps_and_one_layer_quantized_alone(demo):
     from model.config import ModelConfig
 
     nine = ModelConfig(vocab_size=VOCAB)
-    recipe = C.recipe_configs("nvfp4", nine)
-    assert sorted({C.layer_index(n) for n, c in recipe.items() if c is None}) == [0, 7, 8]
-    assert all(c is not None for c in C.recipe_configs("nvfp4_no_bf16_layers", nine).values())
-    assert all(isinstance(c, MXFP4Config) for n, c in C.recipe_configs("mxfp4", nine).items()
-               if C.layer_index(n) not in (0, 7, 8))
+    recipe = passes.recipe_configs("nvfp4", nine)
+    assert sorted({capture.layer_index(n) for n, c in recipe.items() if c is None}) == [0, 7, 8]
+    assert all(c is not None for c in passes.recipe_configs("nvfp4_no_bf16_layers", nine).values())
+    assert all(isinstance(c, MXFP4Config) for n, c in passes.recipe_configs("mxfp4", nine).items()
+               if capture.layer_index(n) not in (0, 7, 8))
 
-    base_loss, base_grad = C.loss_and_grad(demo, demo.batch, 0)
-    attention = {n: NVFP4Config(kernels="eager") for n in demo.modules if C.layer_index(n) == 1}
-    with C.gemm_configs(demo.modules, attention):
-        assert all((m.gemm_config is not None) == (C.layer_index(n) == 1)
+    base_loss, base_grad = passes.loss_and_grad(demo, demo.batch, 0)
+    attention = {n: NVFP4Config(kernels="eager") for n in demo.modules if capture.layer_index(n) == 1}
+    with passes.gemm_configs(demo.modules, attention):
+        assert all((m.gemm_config is not None) == (capture.layer_index(n) == 1)
                    for n, m in demo.modules.items())
-        loss, grad = C.loss_and_grad(demo, demo.batch, 0)
-    assert loss != base_loss and C.rel(grad, base_grad) > 1e-3
+        loss, grad = passes.loss_and_grad(demo, demo.batch, 0)
+    assert loss != base_loss and gemms.rel(grad, base_grad) > 1e-3
     assert all(m.gemm_config is None for m in demo.modules.values())
-    again_loss, again_grad = C.loss_and_grad(demo, demo.batch, 0)
+    again_loss, again_grad = passes.loss_and_grad(demo, demo.batch, 0)
     assert again_loss == base_loss and torch.equal(again_grad, base_grad)
 
 
@@ -233,7 +233,7 @@ def test_the_command_writes_the_report(tmp_path, data_cache):
     res = json.loads((out / "results.json").read_text())
     assert len(res["batches"]) == 3 and len(res["model"]) == 3
     assert res["reference_check"] and all(r["max_abs_diff"] == 0 for r in res["reference_check"])
-    variants = {v: res["summary"]["variants"][v] for v in C.VARIANTS}
+    variants = {v: res["summary"]["variants"][v] for v in passes.VARIANTS}
     assert all(v["grad_err"]["mean"] > 0 for v in variants.values())
     # forward-only ingredients: RHT and SR act on the backward, so the loss is the recipe's
     assert variants["nvfp4_no_rht"]["dloss"]["mean"] == variants["nvfp4"]["dloss"]["mean"]
@@ -241,3 +241,34 @@ def test_the_command_writes_the_report(tmp_path, data_cache):
     subprocess.run([sys.executable, "-m", "studies.components", "--report-only", "--out", str(out)],
                    cwd=REPO, env=env, check=True, capture_output=True)
     assert (out / "README.md").read_text() == readme
+
+
+def test_the_committed_report_is_its_results_rendered():
+    """docs/components/README.md is the template filled from docs/components/results.json: the
+    prose lives in studies/templates/, the numbers in the results (a drift in either shows)."""
+    from studies.components import report
+    from studies.components.summary import summarize
+
+    docs = REPO / "docs" / "components"
+    results = report.read_results(docs)
+    assert report.render_readme(results, summarize(results)) == (docs / "README.md").read_text()
+
+
+def test_a_batchs_tokens_come_from_the_runs_shapes():
+    from studies.components import report
+
+    overrides = ["precision=bf16", "trainer.seq_length=64", "trainer.global_batch_size=4"]
+    assert report.tokens_per_batch({"overrides": overrides}) == 256
+    assert report.tokens_per_batch({"overrides": overrides, "tokens_per_batch": 512}) == 512
+
+
+def test_bad_arguments_are_one_line_and_their_exit_code(tmp_path, capsys):
+    from errors import ConfigError, ExitCode
+    from studies.components.__main__ import main
+
+    assert main(["--report-only", "--out", str(tmp_path / "none")]) == ExitCode.MISSING
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {tmp_path / 'none'}: no results.json to rebuild the report from")
+    with pytest.raises(ConfigError, match="--steps 10 is too short .* --batches 6 steps"):
+        study.capture_steps(10, 6)
+    assert study.capture_steps(12, 1) == [[2], [6], [12]]

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from train_helpers import FAST, REPO, run_train, step_losses
+from train_helpers import FAST, REPO, rewound_copy, run_train, step_losses
 from training import checkpoint as ckpt
 from training import ddp_optimizer as mp
 
@@ -219,8 +219,6 @@ ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_ever
 
 @pytest.mark.slow
 def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, data_cache):
-    from test_reshard import _rewind_to_step_2
-
     whole = tmp_path / "portable"
     proc = run_train(whole, *ARGS, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -233,7 +231,7 @@ def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, 
     proc = run_train(te, *ARGS, cache_dir=data_cache, script=script)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     crossed = tmp_path / "crossed"
-    _rewind_to_step_2(te, crossed)
+    rewound_copy(te, crossed, 2)
     manifest = json.loads((crossed / "checkpoints" / "step_0000002" / ckpt.MANIFEST).read_text())
     assert manifest["spec"] == "te"
     proc = run_train(crossed, *ARGS, cache_dir=data_cache)

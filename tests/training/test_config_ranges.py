@@ -1,15 +1,23 @@
-"""Every numeric key has a range, checked by validate() before anything is written; a value outside
-a choice's values is refused when Hydra composes the config, before the run starts."""
+"""Every numeric key has a range, declared on its schema's field and checked when the schema is
+built (OmegaConf.to_object runs __post_init__), before anything is written; a value outside a
+choice's values is refused when Hydra composes the config, before the run starts."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
+from omegaconf import OmegaConf
 from train_helpers import FAST, compose_train, run_train
 
 from data.config import DataConfigError
+from errors import ConfigError
+from field_ranges import RANGE, at_least
+from nvfp4_recipe.policy import PrecisionConfig, SwitchToBF16Config
 from training.config import TrainConfig, validate
+from training.distributed import data_parallel_size
+from training.plan import PlanConfig
 
 # (key, a value out of its range); each must be refused with a message naming the key.
 BAD = [
@@ -94,3 +102,99 @@ def test_a_run_refused_for_a_choice_outside_its_values_writes_nothing(tmp_path):
     assert "Invalid value 'sometimes', expected one of [stop, skip]" in out, out
     assert "full_key: trainer.on_nan" in out and "Traceback" not in out, out
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+
+
+# -- the schemas check themselves: no list of keys ----------------------------------------------
+
+# Schemas that do not declare their ranges on their fields, and why.
+NOT_DECLARED = {
+    PrecisionConfig: "nvfp4_recipe ships alone in its wheel, without field_ranges: "
+                     "validate_precision checks its numeric fields by hand (tested below)",
+    SwitchToBF16Config: "nested in PrecisionConfig, checked by validate_precision",
+    PlanConfig: "training/plan.py does not declare them yet: training.config._check_plan",
+}
+
+
+def _schemas(cls=TrainConfig, prefix="") -> list[tuple[str, type]]:
+    """(key, schema class) of every dataclass group and nested group under TrainConfig."""
+    found = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            key = f"{prefix}{f.name}"
+            found += [(key, hint), *_schemas(hint, key + ".")]
+    return found
+
+
+SCHEMAS = [(key, cls) for key, cls in _schemas() if cls not in NOT_DECLARED]
+
+
+def _numeric(cls) -> list[dataclasses.Field]:
+    hints = typing.get_type_hints(cls)
+    return [f for f in dataclasses.fields(cls)
+            if {t for t in (hints[f.name], *typing.get_args(hints[f.name]))} & {int, float}
+            and hints[f.name] is not bool]
+
+
+def test_the_walk_finds_every_group():
+    assert {key for key, _ in _schemas()} >= {"run", "model", "precision", "data", "data.demo",
+                                              "parallel", "trainer", "logger", "evaluation",
+                                              "plan", "precision.switch_to_bf16"}
+
+
+@pytest.mark.parametrize("key,cls", SCHEMAS, ids=[key for key, _ in SCHEMAS])
+def test_every_numeric_field_declares_its_range(key, cls):
+    undeclared = [f.name for f in _numeric(cls) if RANGE not in f.metadata]
+    assert not undeclared, f"{key}: {undeclared}"
+
+
+@pytest.mark.parametrize("key,cls", SCHEMAS, ids=[key for key, _ in SCHEMAS])
+def test_a_value_just_outside_each_declared_range_is_refused_by_the_schema(key, cls):
+    for f in _numeric(cls):
+        bounds = f.metadata[RANGE]
+        outside = [bounds.low if bounds.low_open else bounds.low - 1]
+        if bounds.high is not None:
+            outside.append(bounds.high if bounds.high_open else bounds.high + 1)
+        for value in outside:
+            with pytest.raises(ConfigError) as err:
+                cls(**{f.name: value})
+            assert str(err.value).startswith(f"{key}.{f.name}={value} must be"), err.value
+
+
+@pytest.mark.parametrize("key,cls", SCHEMAS, ids=[key for key, _ in SCHEMAS])
+def test_a_field_added_to_a_schema_is_refused_by_the_schema_alone(key, cls):
+    """Issue 29: a new field with a bad value is refused by its schema, through the path Hydra's
+    config takes (OmegaConf.to_object), with no key list to extend."""
+    grown = dataclasses.make_dataclass(
+        f"Grown{cls.__name__}", [("added_every", int, dataclasses.field(default=1,
+                                                                       metadata=at_least(1)))],
+        bases=(cls,))
+    # Alone, a group's interpolations of other groups (run.dir's ${run.name}) have no root.
+    plain = {f.name: "x" for f in dataclasses.fields(cls)
+             if isinstance(f.default, str) and "${" in f.default}
+    assert isinstance(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(grown), plain)),
+                      grown)
+    with pytest.raises(ConfigError, match=rf"^{key}\.added_every=0 must be >= 1$"):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(grown),
+                                            {**plain, "added_every": 0}))
+
+
+@pytest.mark.parametrize("name", [f.name for f in _numeric(PrecisionConfig)])
+def test_precisions_hand_checks_cover_every_numeric_field(name):
+    with pytest.raises(ValueError, match=rf"^precision\.{name}=-1 "):
+        PrecisionConfig(**{name: -1})
+
+
+def test_a_choice_set_in_python_is_refused_by_its_schema():
+    from training.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match=r"^trainer\.recompute='partial': choose one of none, "
+                                          r"selective, full$"):
+        TrainerConfig(recompute="partial")
+
+
+def test_the_layout_check_is_one_function():
+    assert data_parallel_size(2, 2, 8) == 2
+    with pytest.raises(ConfigError, match=r"^parallel\.tensor=2 x parallel\.pipeline=2 must "
+                                          r"divide the world size \(6 processes\)"):
+        data_parallel_size(2, 2, 6)

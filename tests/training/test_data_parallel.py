@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from test_reshard import _rewind_to_step_2
-from train_helpers import FAST, run_train, step_losses
+from train_helpers import FAST, rewound_copy, run_train, step_losses
 
 ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
 SHARDED = "trainer.distributed_optimizer=true"
@@ -37,7 +36,7 @@ def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path
 
     # DP=2 (sharded) -> DP=1: the step-2 checkpoint continues in one process.
     one = tmp_path / "dp1-from-dp2"
-    _rewind_to_step_2(tmp_path / "dp2-sharded", one)
+    rewound_copy(tmp_path / "dp2-sharded", one, 2)
     proc = run_train(one, *ARGS, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step_0000002" in proc.stdout + proc.stderr
@@ -51,7 +50,7 @@ def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     expected = step_losses(single)
     two = tmp_path / "dp2-from-dp1"
-    _rewind_to_step_2(single, two)
+    rewound_copy(single, two, 2)
     proc = run_train(two, *ARGS, SHARDED, nproc=2, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = step_losses(two)

@@ -53,6 +53,37 @@ def test_an_unknown_task_is_exit_2_naming_it(tmp_path):
     assert "'demo_no_such_task'" in proc.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("argv, code, named", [
+    (["--tasks", "demo_arith", "--log-samples"], 2, "--log-samples"),
+    (["--tasks", "demo_arith", "--tensor", "2"], 2, "--tensor=2"),
+    (["--tasks", "demo_arith", "--first-stage-layers", "0"], 2, "--first-stage-layers=0"),
+    (["--tasks", " , "], 2, "--tasks"),
+])
+def test_evaluate_refuses_bad_arguments_with_their_code(tmp_path, argv, code, named):
+    from errors import ProjectError
+    from training.evaluate import check_args, parse_args
+
+    with pytest.raises(ProjectError) as refused:  # one process: --tensor 2 cannot fit
+        check_args(parse_args([str(tmp_path), *argv]))
+    assert refused.value.code == code and named in str(refused.value)
+
+
+def test_task_refusals_carry_their_exit_codes(tmp_path, monkeypatch):
+    from errors import ExitCode
+    from training.downstream import TaskUnavailable, UnknownTask, prepare_tasks
+
+    with pytest.raises(UnknownTask) as unknown:
+        prepare_tasks(["demo_no_such_task"])
+    assert unknown.value.code == ExitCode.CONFIG
+    yaml = tmp_path / "needs_the_hub.yaml"
+    yaml.write_text(NETWORK_TASK)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    with pytest.raises(TaskUnavailable) as offline:
+        prepare_tasks([str(yaml)])
+    assert offline.value.code == ExitCode.MISSING
+
+
 def test_flat_metrics_name_task_metric_and_stderr():
     from training.downstream import flat_metrics
 

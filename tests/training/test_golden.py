@@ -1,16 +1,20 @@
 """Golden losses: a fresh 8-step run of train.py must reproduce tests/golden/<precision>.json.
 
 Exactly (bit for bit) when this torch version, its CPU kernel level (torch's
-`get_cpu_capability()`: AVX512, AVX2, ...), what its GEMMs compute in (`gemm_compute`: BF16 where
-the CPU multiplies BF16 natively, else FP32, nvfp4_recipe/compute.py) and the demo corpus are the
-ones that wrote the file:
+`get_cpu_capability()`: AVX512, AVX2, ...) and what its GEMMs compute in (`gemm_compute`: BF16 where
+the CPU multiplies BF16 natively, else FP32, nvfp4_recipe/compute.py) are the ones that wrote the
+file:
 the run uses one torch thread and fixed seeds, so nothing else may change a loss. With another
 torch version or kernel level the CPU kernels (BLAS, vectorized reductions) may sum in another
 order, and training amplifies those last-bit differences — under NVFP4 a value crossing a
 rounding threshold changes a whole 4-bit element — so the comparison falls back to the file's
 absolute per-step tolerance (studies/golden.py: TOLERANCE, ~10x the change measured between 1- and
-2-thread runs of one build: 1.7e-4 bf16, 2.7e-3 nvfp4). A different corpus
-(another Python's standard library) trains on other tokens: nothing to compare, the test skips.
+2-thread runs of one build: 1.7e-4 bf16, 2.7e-3 nvfp4).
+
+The demo corpus is the same on every Python version (its texts are a snapshot in data/demo_corpus/,
+issue 29: this test used to skip on 3.12), so the test always runs. It checks first that the run
+trains on the golden run's tokens (`corpus_tokens_sha256`); another `tokenizers` version that
+trains another BPE fails that check, naming both versions, instead of comparing unrelated losses.
 
 Regenerate on purpose only: `python -m studies.golden --regenerate`.
 """
@@ -21,13 +25,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import tokenizers
 import torch
 
 from studies import golden
 from tests.train_helpers import run_train, step_losses
-
-pytestmark = pytest.mark.slow
-
 
 # What BF16 GEMMs compute in here by default (nvfp4_recipe/compute.py): on a CPU without BF16
 # instructions FP32 GEMMs replace the BF16 ones, which the golden files may not have used.
@@ -41,8 +43,9 @@ def golden_runs(data_cache, tmp_path_factory):
     from data.demo import ensure_demo_corpus
 
     corpus = ensure_demo_corpus(str(data_cache / "data"))  # built once, before the runs
+    tokens = golden.corpus_tokens_sha256(corpus.path)
     refs = {p: json.loads((golden.GOLDEN_DIR / f"{p}.json").read_text()) for p in golden.PRECISIONS}
-    todo = [(p, gemm) for p in golden.PRECISIONS if refs[p]["corpus_key"] == corpus.key
+    todo = [(p, gemm) for p in golden.PRECISIONS
             for gemm in ("auto", "fp32") if gemm == "auto" or GEMM_HERE == "bf16"]
     root = tmp_path_factory.mktemp("golden")
     with ThreadPoolExecutor(max_workers=len(golden.PRECISIONS)) as pool:
@@ -51,14 +54,25 @@ def golden_runs(data_cache, tmp_path_factory):
             *([] if gemm == "auto" else [f"precision.gemm_compute={gemm}"]),
             cache_dir=data_cache, env=golden.ENV, timeout=300) for p, gemm in todo}
         results = {run: f.result() for run, f in futures.items()}
-    return corpus.key, refs, root, results
+    return (corpus.key, tokens), refs, root, results
 
 
+def test_demo_corpus_holds_the_golden_runs_tokens(demo_corpus):
+    """Fast, on every Python: the demo corpus built here is token for token the one the golden
+    files were trained on (CPython 3.11.7, tokenizers 0.23.3), so the slow tests below compare."""
+    _, corpus = demo_corpus
+    refs = [json.loads((golden.GOLDEN_DIR / f"{p}.json").read_text()) for p in golden.PRECISIONS]
+    assert {r["corpus_tokens_sha256"] for r in refs} == {golden.corpus_tokens_sha256(corpus.path)}, (
+        f"tokenizers {tokenizers.__version__}, golden runs' {refs[0]['tokenizers']}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", golden.PRECISIONS)
 def test_golden_losses(precision, golden_runs):
     check_golden(precision, "auto", golden_runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", golden.PRECISIONS)
 def test_golden_losses_with_fp32_gemms_as_on_a_cpu_without_bf16(precision, golden_runs):
     """Issue 25: a CPU without BF16 instructions multiplies the BF16 values in FP32. That changes
@@ -71,13 +85,14 @@ def test_golden_losses_with_fp32_gemms_as_on_a_cpu_without_bf16(precision, golde
 
 
 def check_golden(precision, gemm, golden_runs):
-    key, refs, root, results = golden_runs
+    (key, tokens), refs, root, results = golden_runs
     ref = refs[precision]
     assert ref["overrides"] == golden.overrides(precision), (
         "studies/golden.py's command changed: regenerate with `python -m studies.golden --regenerate`")
-    if ref["corpus_key"] != key:
-        pytest.skip(f"demo corpus {key} differs from the golden run's {ref['corpus_key']} "
-                    "(another Python standard library or tokenizers version): other tokens")
+    assert tokens == ref["corpus_tokens_sha256"], (
+        f"the demo corpus {key} (tokenizers {tokenizers.__version__}) holds other tokens than the "
+        f"golden run's {ref['corpus_key']} (tokenizers {ref['tokenizers']}): its BPE differs, so the "
+        f"losses are not comparable; install tokenizers=={ref['tokenizers']}, or regenerate on purpose")
     res = results[precision, gemm]
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = step_losses(root / f"{precision}-{gemm}")

@@ -18,31 +18,6 @@ GROUPS = ["embedding", *(layer_name(i, KINDS) for i in range(9)), "final_norm", 
 HEALTH_KEYS = {f"grad/{g}/{s}" for g in GROUPS for s in ("norm", "nonfinite_frac")}
 
 
-@pytest.fixture
-def make_trainer(tmp_path, data_cache, monkeypatch):
-    """A one-process Trainer on the CPU demo (gloo), torn down after the test."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from training.config import register_configs
-    from training.distributed import init_distributed, shutdown
-    from training.trainer import Trainer, prepare_run_dir
-
-    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
-    register_configs()
-
-    def make(*overrides: str) -> Trainer:
-        with initialize_config_dir(str(REPO / "recipes"), version_base=None):
-            raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path}", *overrides])
-        cfg = OmegaConf.to_object(raw)
-        ctx = init_distributed(1, 1, "gloo")
-        prepare_run_dir(cfg, ctx)
-        return Trainer(cfg, ctx)
-
-    yield make
-    shutdown()
-
-
 def test_group_names_are_global_pattern_indices():
     assert layer_name(7, KINDS) == "layer_07.mamba"
     assert layer_name(3, ["mlp"] * 120) == "layer_003.mlp"

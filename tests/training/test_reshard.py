@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
-from pathlib import Path
 
 import pytest
 
-from train_helpers import FAST, run_train, step_losses
-from training.metrics import read_metrics
+from train_helpers import FAST, rewound_copy, run_train, step_losses
 
 ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
-
-
-def _rewind_to_step_2(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst)
-    shutil.rmtree(dst / "checkpoints" / "step_0000004")
-    kept = [json.dumps(r) for r in read_metrics(dst) if r["step"] <= 2]
-    (dst / "metrics.jsonl").write_text("\n".join(kept) + "\n")
 
 
 @pytest.mark.slow
@@ -32,7 +21,7 @@ def test_tp2_checkpoint_continues_at_tp1_and_at_pp2(tmp_path, data_cache):
     layouts = {"tp1": ([], 1), "pp2": (["parallel.pipeline=2", "parallel.first_stage_layers=5"], 2)}
     for name, (extra, nproc) in layouts.items():
         run_dir = tmp_path / name
-        _rewind_to_step_2(tp2, run_dir)
+        rewound_copy(tp2, run_dir, 2)
         proc = run_train(run_dir, *ARGS, *extra, nproc=nproc, cache_dir=data_cache)
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, log

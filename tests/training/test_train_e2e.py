@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 
 import pytest
 
-from train_helpers import FAST, run_train, step_losses
+from train_helpers import FAST, rewound_copy, run_train, step_losses
 from training.metrics import read_metrics
 
 
@@ -66,12 +64,7 @@ def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache
     assert all(0.02 < e < 0.5 for e in errors)  # NVFP4's relative error is ~0.1 on these tensors
     assert "quant:" in proc.stdout
 
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    # Pretend the run stopped after step 4: drop the later checkpoint and log lines.
-    shutil.rmtree(resumed / "checkpoints" / "step_0000008")
-    kept = [json.dumps(r) for r in read_metrics(resumed) if r["step"] <= 4]
-    (resumed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    resumed = rewound_copy(straight, tmp_path / "resumed", 4)
     proc = run_train(resumed, *args, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step_0000004" in proc.stdout

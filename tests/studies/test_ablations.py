@@ -1,0 +1,197 @@
+"""The precision ablation study (studies/ablations.py): from run directories to the report.
+
+The runs here are written by hand in train.py's layout (tests/studies/conftest.py), so every
+number the report shows is known: the final validation loss of a run is its `final_loss` + 0.1,
+its training loss falls linearly to `final_loss`. One slow test runs the real command on two tiny
+runs with the shipped downstream tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import write_run
+from errors import ExitCode
+from studies import ablations as A
+from train_helpers import REPO
+
+DOWNSTREAM = {"eval/demo_arith/exact_match": 0.25, "eval/demo_arith/exact_match_stderr": 0.05,
+              "eval/demo_arith_choice/acc": 0.5, "eval/demo_arith_choice/acc_stderr": 0.1}
+
+
+def test_collect_reads_each_runs_state_and_final_values(fake_ablation_runs):
+    runs = A.collect(fake_ablation_runs)
+    assert runs["bf16"][1]["state"] == "done"
+    assert runs["bf16"][1]["final_val_loss"] == pytest.approx(3.10)
+    # the mean training loss over the last quarter (steps 7, 8) of the linear fall to 3.00
+    assert runs["bf16"][1]["late_train_loss"] == pytest.approx(3.0 + 0.5 * (0.5 / 8))
+    assert runs["mxfp4"][1]["state"] == "diverged" and runs["mxfp4"][1]["final_val_loss"] is None
+    failed = runs["nvfp4_naive"][1]
+    assert failed["state"] == "failed" and failed["error"] == "error: precision.x=1 is not a key"
+    # validation curve against consumed tokens, every second step
+    assert [t for t, _ in runs["bf16"][1]["val_loss"]] == [2048, 4096, 6144, 8192]
+
+
+def test_summary_gaps_are_seed_matched(fake_ablation_runs):
+    summary = A.summarize(A.collect(fake_ablation_runs))
+    nvfp4 = summary["nvfp4"]
+    want = [100 * (3.16 - 3.10) / 3.10, 100 * (3.19 - 3.12) / 3.12]
+    assert nvfp4["paired_gap_pct"] == pytest.approx(want)
+    assert nvfp4["final_val_loss_std"] == pytest.approx(statistics.stdev([3.16, 3.19]))
+    assert summary["mxfp4"]["diverged_seeds"] == [1]
+    assert summary["nvfp4_naive"]["failed"] == {1: "error: precision.x=1 is not a key"}
+
+
+def test_orderings_judge_against_twice_the_paired_noise(fake_ablation_runs):
+    runs = A.collect(fake_ablation_runs)
+    summary = A.summarize(runs)
+    noise = A.paired_noise(runs, "final_val_loss")
+    gaps = [100 * (3.16 - 3.10) / 3.10, 100 * (3.19 - 3.12) / 3.12]
+    assert noise == pytest.approx(statistics.stdev(gaps))
+    rows = {r["claim"]: r for r in A.check_orderings(runs, summary, {"val": noise, "train": None})}
+    trails = rows["NVFP4 trails BF16"]
+    assert trails["pairs"] == 2 and trails["diff_val_pct"] == pytest.approx(statistics.fmean(gaps))
+    assert trails["verdict_val"] == "reproduces"  # ~2.1 % against 2 x 0.22 %
+    assert trails["verdict_train"] == "right sign (no noise estimate)"
+    assert rows["MXFP4 trails NVFP4"]["verdict_val"] == "reproduces (diverged)"
+    assert rows["removing RHT hurts"]["verdict_val"] == "no data"
+    assert A._verdict(-1.0, 0.2) == "reversed" and A._verdict(0.3, 0.2) == "within noise (right sign)"
+
+
+def test_the_report_states_the_runs(fake_ablation_runs, tmp_path):
+    out = tmp_path / "out"
+    A.write_report(fake_ablation_runs, out)
+    readme = (out / "README.md").read_text()
+    assert "| `bf16` | 3.1100 ± 0.0141 | 3.1000 / 3.1200 | 0 (reference) |" in readme
+    assert "**+2.09 %** (+1.94, +2.24)" in readme  # nvfp4's mean gap and per-seed gaps
+    assert "| `nvfp4_naive` | not run: train.py stopped at start-up — precision.x=1 is not a key" in readme
+    assert "8 steps x 8 sequences x 128 tokens = 8,192 tokens per run" in readme
+    assert "(2 steps x 1,024 tokens," in readme  # the last quarter of 8 steps
+    assert "### Downstream scores" not in readme  # no run evaluated downstream tasks
+    assert "python -m studies.ablations --steps 8\n" in readme
+    assert "Wall time: 10.0 min over 1 session(s) (2026-12-01T10:00:00Z, 2 job(s) x 1 thread(s)" in readme
+    res = json.loads((out / "results.json").read_text())
+    assert res["summary"]["fp8"]["seeds"] == [1]
+    for png in ("val_loss.png", "train_loss.png"):
+        assert (out / png).stat().st_size > 10_000, png
+
+
+def test_downstream_scores_are_columns_per_recipe(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, shift in ((1, 0.0), (2, 0.1)):
+        for config in ("bf16", "nvfp4"):
+            scores = {k: v + (0 if k.endswith("_stderr") else shift) for k, v in DOWNSTREAM.items()}
+            write_run(runs / f"{config}-s{seed}", 8, 3.0, downstream=scores)
+    out = tmp_path / "out"
+    res = A.write_report(runs, out)
+    arith = res["summary"]["bf16"]["downstream"]["eval/demo_arith/exact_match"]
+    assert arith["mean"] == pytest.approx(0.30) and arith["stderr"] == pytest.approx(0.05)
+    assert arith["per_seed"] == {1: 0.25, 2: pytest.approx(0.35)}
+    readme = (out / "README.md").read_text()
+    assert "| config | demo_arith exact_match | demo_arith_choice acc | seeds |" in readme
+    assert "| `nvfp4` | 0.3000 ± 0.0500 (0.2500, 0.3500) | 0.5500 ± 0.1000 (0.5000, 0.6000) | 1, 2 |" in readme
+    assert "eval/seconds" not in json.dumps(res["summary"])  # a time, not a score
+
+
+def test_a_run_is_done_only_with_its_final_downstream_scores(tmp_path):
+    """A run killed during its last evaluation has val_loss at the final step but no scores: it
+    is resumed (partial), or its row would lack them."""
+    write_run(tmp_path / "scored", 8, 3.0, downstream=DOWNSTREAM)
+    assert A.run_state(tmp_path / "scored", 8) == "done"
+    write_run(tmp_path / "killed", 8, 3.0, downstream=DOWNSTREAM)
+    lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "killed" / "metrics.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    assert A.run_state(tmp_path / "killed", 8) == "partial"
+    write_run(tmp_path / "diverged", 8, 3.0, exit_code=ExitCode.DIVERGED, stop_at=3)
+    assert A.run_state(tmp_path / "diverged", 8) == "diverged"
+    assert A.run_state(tmp_path / "absent", 8) == "new"
+
+
+def test_step_records_merge_a_steps_records_and_a_resume_wins(tmp_path):
+    write_run(tmp_path / "r", 4, 3.0, downstream=DOWNSTREAM)
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as f:  # resumed from step 3: logged again
+        f.write(json.dumps({"event": "restart", "step": 3}) + "\n")
+        f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n")
+    records = A.step_records(tmp_path / "r")
+    assert sorted(records) == [1, 2, 3, 4]
+    assert records[4]["loss"] == 9.0 and records[4]["eval/demo_arith/exact_match"] == 0.25
+
+
+def test_extra_overrides_go_to_every_run_before_the_studys_own():
+    cmd = A.run_overrides("nvfp4", 2, 40, A.REPO / "r", ["evaluation=demo", "evaluation.limit=5"])
+    assert cmd[:3] == ["precision=nvfp4", "trainer.seed=2", f"run.dir={A.REPO / 'r'}"]
+    assert cmd.index("evaluation=demo") > cmd.index("experiment=ablations")
+    assert cmd[-4:] == ["trainer.max_steps=40", "trainer.eval_every=5", "trainer.save_every=10",
+                        "run.resume=auto"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.seed=3", "the study sets trainer.seed"),
+    ("precision.rht=false", "the study sets precision"),
+    ("+run.dir=/tmp/x", "the study sets run.dir"),
+    ("=3", "is not key=value"),
+    ("evaluation demo=x", "is not key=value"),
+])
+def test_a_bad_override_is_refused_before_anything_is_written(tmp_path, capsys, override, message):
+    runs = tmp_path / "runs"
+    code = A.main(["--runs-dir", str(runs), "--out", str(tmp_path / "out"), override])
+    assert code == ExitCode.CONFIG
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: override ") and message in err and "\n" not in err
+    assert not runs.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_run_dir_of_another_study_is_refused(tmp_path):
+    write_run(tmp_path / "bf16-s1", 8, 3.0)
+    plan = [("bf16", 1)]
+    with pytest.raises(A.ConfigError, match="max_steps=8, not --steps 10"):
+        A.check_plan(tmp_path, plan, 10, [])
+    with pytest.raises(A.ConfigError, match=r"extra overrides \[\], not \['evaluation=demo'\]"):
+        A.check_plan(tmp_path, plan, 8, ["evaluation=demo"])
+    A.check_plan(tmp_path, plan, 8, [])  # the same study resumes
+
+
+def test_the_study_exits_with_the_first_failed_runs_code():
+    assert A.failed_exit_code([]) == ExitCode.OK
+    assert A.failed_exit_code([3, 2]) == ExitCode.MISSING
+    assert A.failed_exit_code([-9]) == ExitCode.BUG  # killed by a signal
+    assert A.failed_exit_code([0]) == ExitCode.BUG  # exit 0 without its final step: a bug
+
+
+def test_a_report_without_runs_is_exit_3(tmp_path, capsys):
+    code = A.main(["--report-only", "--runs-dir", str(tmp_path / "none"), "--out", str(tmp_path / "out")])
+    assert code == ExitCode.MISSING
+    assert "no ablation runs there" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # two 2-step train.py runs, each with an lm-eval evaluation: ~1-2 min on 2 cores
+def test_the_command_adds_downstream_scores(tmp_path, data_cache):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    env = {**os.environ, "NVFP4_CACHE": str(data_cache), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "studies.ablations", "--configs", "bf16", "nvfp4", "--seeds", "1",
+           "--noise-seeds", "--steps", "2", "--runs-dir", str(runs), "--out", str(out),
+           "evaluation=demo", "evaluation.tasks=[demo_arith_choice,demo_next_word]",
+           "evaluation.limit=4", "evaluation.batch_size=4"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    for config in ("bf16", "nvfp4"):
+        scores = res["summary"][config]["downstream"]
+        assert set(scores) == {"eval/demo_arith_choice/acc", "eval/demo_arith_choice/acc_norm",
+                               "eval/demo_next_word/acc", "eval/demo_next_word/acc_norm"}, scores
+        for d in scores.values():  # 4 items each: a score is a multiple of 1/4
+            assert d["mean"] * 4 == pytest.approx(round(d["mean"] * 4)) and d["stderr"] is not None
+    readme = (out / "README.md").read_text()
+    assert "| config | demo_arith_choice acc | demo_arith_choice acc_norm |" in readme
+    assert "`evaluation.limit=4`" in readme
+    assert res["study"]["extra_overrides"] == cmd[cmd.index("evaluation=demo"):]
+    # a second call skips the finished runs (their scores make them done) and rebuilds the report
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "2 already finished" in again.stdout, again.stdout[-2000:]
