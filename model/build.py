@@ -163,8 +163,8 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     (use_cpu_initialization); the TE spec's Mamba mixer takes megatron's fused path where
     causal_conv1d is there (backend.mamba_mem_eff_path). `main_grads`: the model will train
     under megatron's DDP (FP32 main grads), so Wgrad may accumulate into them
-    (gradient_accumulation_fusion). The defaults build what CPU runs and tests always built."""
-    cfg.validate()
+    (gradient_accumulation_fusion). The defaults build what CPU runs and tests always built.
+    `cfg` checked its own fields when it was made (ModelConfig.__post_init__)."""
     policy = precision_policy(cfg, precision)
     if backend is None:
         backend, _ = choose_backend(precision, cfg.spec)

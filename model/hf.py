@@ -147,6 +147,27 @@ def hf_config(cfg: ModelConfig, vocab_size: int, **ids):
     return config
 
 
+def save_safetensors(directory: Path, tensors: Mapping[str, torch.Tensor],
+                     max_shard_size: int | str) -> None:
+    """model.safetensors (or shards with model.safetensors.index.json), tensor names as
+    transformers 5 saves NemotronH (`model.` as `backbone.`, NVIDIA's published names)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    named = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
+             for k, v in tensors.items()}
+    split = split_torch_state_dict_into_shards(named, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: named[n] for n in names}, str(Path(directory) / filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in named.values())},
+                 "weight_map": split.tensor_to_filename}
+        (Path(directory) / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def write_config(directory: Path, config, quantization_config: Optional[dict] = None) -> None:
     """config.json as transformers writes it, the layers given as NVIDIA's published configs give
     them: `hybrid_override_pattern` (+ `num_hidden_layers`). transformers' own list has changed
@@ -233,7 +254,7 @@ def read_hf_config(hf_dir: Path, key: str = "model.init_from") -> dict:
 def check_init_from(cfg: ModelConfig, vocab_size: Optional[int] = None) -> dict:
     """model.init_from's config.json against `cfg`, and that it holds safetensors weights.
 
-    Reads config.json and the file list only (cheap: ModelConfig.validate calls it, before
+    Reads config.json and the file list only (cheap: training.config.validate calls it after the pure checks, before
     anything is written; the vocabulary is compared when `vocab_size` is given, by the trainer
     once the data's tokenizer is known, as model.vocab_size may be null). Raises HFError naming
     every mismatching field. Returns the config.json fields.
@@ -640,8 +661,6 @@ def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], t
         if serving is None:
             model.save_pretrained(tmp, max_shard_size=max_shard_size)
         else:
-            from .hf_nvfp4 import save_safetensors
-
             tmp.mkdir()
             save_safetensors(tmp, serving.tensors, max_shard_size)
             model.generation_config.save_pretrained(tmp)

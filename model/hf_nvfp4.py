@@ -52,9 +52,7 @@ ulp). The activation scales come from the run's recorded input amax
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
@@ -244,27 +242,6 @@ def modelopt_config_json(quant: dict) -> dict:
                                           "targets": ["Linear"]}},
             "ignore": list(q["exclude_modules"]), "quant_algo": "NVFP4",
             "producer": dict(quant["producer"]), "quant_method": "modelopt"}
-
-
-def save_safetensors(directory: Path, tensors: Mapping[str, torch.Tensor],
-                     max_shard_size: int | str) -> None:
-    """model.safetensors (or shards with model.safetensors.index.json), tensor names as
-    transformers 5 saves NemotronH (`model.` as `backbone.`, NVIDIA's published names)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    named = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
-             for k, v in tensors.items()}
-    split = split_torch_state_dict_into_shards(named, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: named[n] for n in names}, str(Path(directory) / filename),
-                  metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                                for t in named.values())},
-                 "weight_map": split.tensor_to_filename}
-        (Path(directory) / "model.safetensors.index.json").write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def bits_per_weight(tensors: Mapping[str, torch.Tensor], module: str, fmt: str) -> float:

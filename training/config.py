@@ -11,7 +11,6 @@ exit 3 for a missing file).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
@@ -250,7 +249,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
 def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
     """The pure checks that involve more than one group, or the world size (ConfigError)."""
-    _check_plan(cfg.plan)
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     dp = data_parallel_size(t, p, world_size)
     tr = cfg.trainer
@@ -277,12 +275,3 @@ def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def _check_plan(plan: PlanConfig) -> None:
-    """PlanConfig's ranges, until its schema (training/plan.py) declares them on its fields."""
-    for key, bounds in (("gpus", at_least(1)), ("total_tokens", at_least(1)),
-                        ("peak_tflops", above(0)), ("mfu", within(0, 1, low_open=True))):
-        value = getattr(plan, key)
-        if value is not None and not bounds["range"].contains(value):
-            raise ConfigError(f"plan.{key}={value} {bounds['range'].rule(key in ('gpus', 'total_tokens'))}")

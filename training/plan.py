@@ -62,10 +62,11 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from field_ranges import above, at_least, check_fields, within
 from model.flops import flops_per_token_terms, gemm_weights
 from model.memory_model import (
     BYTES_ACTIVATION,
@@ -99,19 +100,22 @@ class PlanConfig:
     """Hydra group `plan` (the dry run's assumptions about the target machine)."""
 
     # GPUs of the run; None = tensor x pipeline (data parallel 1). Must be a multiple of it.
-    gpus: Optional[int] = None
+    gpus: Optional[int] = field(default=None, metadata=at_least(1))
     # Dense BF16 peak of one device in TFLOP/s. 2500 = GB200 (Blackwell): NVIDIA's GB200 NVL72
     # datasheet lists 5 PFLOPS FP16/BF16 per GPU *with* 2:4 sparsity, i.e. 2.5 PFLOPS dense.
     # H100/H200 SXM: 989.
-    peak_tflops: float = 2500.0
+    peak_tflops: float = field(default=2500.0, metadata=above(0))
     # Model-FLOPs utilisation assumed for the time estimate (0.4 is typical of well-tuned
     # Megatron pretraining at this scale; an assumption, not a measurement).
-    mfu: float = 0.4
+    mfu: float = field(default=0.4, metadata=within(0, 1, low_open=True))
     # Tokens of the run; None = trainer.max_steps x global_batch_size x seq_length.
-    total_tokens: Optional[int] = None
+    total_tokens: Optional[int] = field(default=None, metadata=at_least(1))
     # The GEMM backend of the target machine (te | emulated), which changes the low-precision
     # weight copies and the optimizer's step buffer; None = the one this machine would use.
     backend: Optional[str] = None
+
+    def __post_init__(self):
+        check_fields(self, "plan")
 
 
 # -- inputs -------------------------------------------------------------------------------------

@@ -108,8 +108,7 @@ def test_flops_and_peaks():
     from model.config import ModelConfig
     from model.flops import flops_per_token_terms
 
-    cfg = ModelConfig(**HYBRID_1B)
-    cfg.validate()
+    cfg = ModelConfig(**HYBRID_1B)  # checks its fields (__post_init__)
     per_token = flops_per_token(cfg, 4096, cfg.vocab_size)
     assert 6 * 1.0e9 < per_token < 6 * 1.6e9  # ~1.3B parameters in GEMMs + output layer
     # MFU counts what the planner counts (model/flops.py), the SSD scan and conv1d included:

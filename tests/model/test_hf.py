@@ -117,7 +117,7 @@ def test_transformers_to_project_to_transformers_is_bit_identical(parallel_conte
     hf_dir, original = _random_hf_dir(tmp_path, TINY, VOCAB, max_shard_size="100KB")
     assert (hf_dir / "model.safetensors.index.json").is_file()
     cfg = dataclasses.replace(TINY, init_from=str(hf_dir))
-    cfg.validate()  # the start-up check: config.json matches
+    hf.check_init_from(cfg)  # the start-up check: config.json matches
     ours = _project_model(cfg, torch.bfloat16)
     hf.load_hf_weights(ours, cfg, VOCAB)
     ours.to(torch.bfloat16)  # what megatron's Float16Module does next in the trainer (D is FP32)
@@ -137,7 +137,7 @@ def test_a_mismatched_config_is_refused_naming_each_field(parallel_context, tmp_
     hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
     wrong = dataclasses.replace(TINY, hidden_size=128, pattern="M-*M", init_from=str(hf_dir))
     with pytest.raises(ValueError) as info:
-        wrong.validate()  # before anything is built or written
+        hf.check_init_from(wrong)  # before anything is built or written
     message = str(info.value)
     assert "model.hidden_size=128 but hidden_size=64" in message
     assert "model.pattern='M-*M'" in message and "'M-*M-'" in message
@@ -165,10 +165,10 @@ def test_pickle_weights_are_refused_unopened(tmp_path):
     marker = tmp_path / "pwned"
     (hf_dir / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsCode(marker)))
     with pytest.raises(ValueError, match="pytorch_model.bin.*never loaded"):
-        dataclasses.replace(TINY, init_from=str(hf_dir)).validate()
+        hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
     assert not marker.exists()
     with pytest.raises(ValueError, match="not a directory"):
-        dataclasses.replace(TINY, init_from=str(tmp_path / "missing")).validate()
+        hf.check_init_from(dataclasses.replace(TINY, init_from=str(tmp_path / "missing")))
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:
@@ -186,7 +186,7 @@ def test_a_truncated_safetensors_file_is_refused_at_validate_naming_it(tmp_path,
     victim = sorted(hf_dir.glob("*.safetensors"))[-1]
     _truncate(victim)
     with pytest.raises(ValueError) as info:
-        dataclasses.replace(TINY, init_from=str(hf_dir)).validate()
+        hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
     message = str(info.value)
     assert isinstance(info.value, hf.HFError) and info.value.code == hf.EXIT_CONFIG
     assert f"model.init_from={hf_dir}: {victim.name} is truncated or corrupt" in message

@@ -10,6 +10,7 @@ import torch
 
 from nan_injection import NaNGradient, inject
 from train_helpers import FAST, REPO, run_train
+from training.cadence import Every
 from training.grad_health import group_names, layer_name, param_group
 from training.metrics import MetricsSink, grad_health_line, read_metrics, wandb_key
 
@@ -57,7 +58,7 @@ def test_every_layer_norm_matches_its_gradients(make_trainer):
     line = grad_health_line(result.health)
     assert line.startswith("grad health: largest norms ") and line.endswith("all finite")
     # every 2 steps: step 2 is measured, step 3 is not
-    trainer.cfg.trainer.grad_health_every = 2
+    trainer.grad_health_due = Every(2)  # trainer.grad_health_every=2: the loop's cadence
     for trainer.step, due in ((1, True), (2, False)):
         assert bool(trainer.train_step(trainer.data.train.next_global_batch()).health) == due
 

@@ -41,3 +41,11 @@ def test_an_unknown_kind_is_refused(tmp_path):
     (tmp_path / METRICS_FILE).write_text("")
     with pytest.raises(ValueError, match="kind"):
         read_metrics(tmp_path, kind="steps")
+
+
+def test_every_is_due_on_its_multiples_and_the_last_step():
+    from training.cadence import Every
+
+    assert [s for s in range(1, 11) if Every(4, last=10)(s)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if Every(0)(s)] == []  # 0: never (e.g. grad_health_every=0)
+    assert [s for s in range(1, 4) if Every(1)(s)] == [1, 2, 3]
