@@ -93,7 +93,7 @@ def compiled_scales(device: torch.device) -> bool:
 # (except block counts 0 and 1, which dynamo specializes; empty tensors stay eager). Nearest and
 # stochastic rounding are separate functions so each stays well under dynamo's recompile limit
 # (one variant per input dtype and output dtype).
-def _block_amax_flat(x: torch.Tensor) -> torch.Tensor:
+def block_amax_flat(x: torch.Tensor) -> torch.Tensor:
     """(blocks, block) -> FP32 (blocks,) max |x| (max is exact in any dtype)."""
     return x.abs().amax(dim=-1).float()
 
@@ -136,14 +136,14 @@ def _e2m1_codes(rounded: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return (magnitude + negative.to(torch.int32) * 8).to(torch.uint8)
 
 
-def _e2m1_values_nearest(x, encode, decode, out_dtype: torch.dtype) -> torch.Tensor:
+def e2m1_values_nearest(x, encode, decode, out_dtype: torch.dtype) -> torch.Tensor:
     """Nearest-even E2M1 of clamp(x * encode, -6, 6), times decode, in out_dtype."""
     v, exponent = _scaled_clamped(x, encode)
     return (_round_nearest(v, exponent) * decode).to(out_dtype)
 
 
-def _e2m1_values_stochastic(x, encode, decode, random_bytes, out_dtype: torch.dtype) -> torch.Tensor:
-    """As _e2m1_values_nearest with stochastic rounding."""
+def e2m1_values_stochastic(x, encode, decode, random_bytes, out_dtype: torch.dtype) -> torch.Tensor:
+    """As e2m1_values_nearest with stochastic rounding."""
     v, exponent = _scaled_clamped(x, encode)
     return (_round_stochastic(v, exponent, random_bytes) * decode).to(out_dtype)
 
@@ -195,9 +195,9 @@ class Fused:
         return self.fn(*args)
 
 
-_BLOCK_AMAX = Fused(_block_amax_flat)
-_VALUES_NEAREST = Fused(_e2m1_values_nearest)
-_VALUES_STOCHASTIC = Fused(_e2m1_values_stochastic)
+_BLOCK_AMAX = Fused(block_amax_flat)
+_VALUES_NEAREST = Fused(e2m1_values_nearest)
+_VALUES_STOCHASTIC = Fused(e2m1_values_stochastic)
 _CODES_NEAREST = Fused(_e2m1_codes_nearest)
 _CODES_STOCHASTIC = Fused(_e2m1_codes_stochastic)
 
@@ -213,7 +213,7 @@ def _flat_blocks(x2d: torch.Tensor, block: int, *per_block: torch.Tensor) -> tup
     return (x2d.view(-1, block).detach(), *(t.reshape(-1, 1).detach() for t in per_block))
 
 
-def _random_bytes(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw_bytes_like(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One random byte per element of `like`, the bytes the eager kernel draws (same call)."""
     return draw_random_bytes(like.numel(), like.device, generator).view(like.shape)
 
@@ -231,7 +231,7 @@ def encode_values(
     """The values output of formats.encode_e2m1_blocks ((rows, K) in values_dtype), fused."""
     x, encode, decode = _flat_blocks(x2d, block, encode, decode)
     if stochastic:
-        values = _VALUES_STOCHASTIC(strict, x, encode, decode, _random_bytes(x, generator), values_dtype)
+        values = _VALUES_STOCHASTIC(strict, x, encode, decode, draw_bytes_like(x, generator), values_dtype)
     else:
         values = _VALUES_NEAREST(strict, x, encode, decode, values_dtype)
     return values.view(x2d.shape)
@@ -248,7 +248,7 @@ def encode_codes(
     """The packed-codes output of formats.encode_e2m1_blocks ((rows, K // 2) uint8), fused."""
     x, encode = _flat_blocks(x2d, block, encode)
     if stochastic:
-        codes = _CODES_STOCHASTIC(strict, x, encode, _random_bytes(x, generator))
+        codes = _CODES_STOCHASTIC(strict, x, encode, draw_bytes_like(x, generator))
     else:
         codes = _CODES_NEAREST(strict, x, encode)
     rows, k = x2d.shape

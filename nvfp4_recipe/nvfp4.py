@@ -127,6 +127,35 @@ def scales_of_blocks(
 _COMPILED_SCALES_OF_BLOCKS = fused.Fused(scales_of_blocks)
 
 
+def _operand_scales(x_blocks: torch.Tensor):
+    vec_max = fused.block_amax_flat(x_blocks)
+    amax, scale_e4m3, encode, s_dec = scales_of_blocks(vec_max)
+    return amax, scale_e4m3, encode.unsqueeze(-1), scale_e4m3.float().unsqueeze(-1), s_dec
+
+
+def _operand_nearest(x_blocks: torch.Tensor, out_dtype: torch.dtype):
+    """A 1x16-block GEMM operand of flat (blocks, 16) x in one function: the block amax, the
+    scales (scales_of_blocks) and the values q * s, the kernels composed as quantize_nvfp4_core
+    composes them: (E4M3 scales, amax, S_dec, values)."""
+    amax, scale_e4m3, encode, decode, s_dec = _operand_scales(x_blocks)
+    return scale_e4m3, amax, s_dec, fused.e2m1_values_nearest(x_blocks, encode, decode, out_dtype)
+
+
+def _operand_stochastic(x_blocks: torch.Tensor, random_bytes: torch.Tensor, out_dtype: torch.dtype):
+    """As _operand_nearest, stochastically rounded with the given random bytes."""
+    amax, scale_e4m3, encode, decode, s_dec = _operand_scales(x_blocks)
+    values = fused.e2m1_values_stochastic(x_blocks, encode, decode, random_bytes, out_dtype)
+    return scale_e4m3, amax, s_dec, values
+
+
+# Each compiled as one call: dynamo's guards and wrappers cost tens of us per compiled call, which
+# the three separate calls (amax, scales, values) paid on every activation and gradient operand, a
+# large share of a small operand's quantization. Only where the scales run compiled (CPU). Two
+# functions, as in kernels.py, so that each stays under dynamo's recompile limit.
+_COMPILED_OPERAND_NEAREST = fused.Fused(_operand_nearest)
+_COMPILED_OPERAND_STOCHASTIC = fused.Fused(_operand_stochastic)
+
+
 def _check_tile(tile: Tile) -> int:
     if tuple(tile) not in ((1, BLOCK), (BLOCK, BLOCK)):
         raise ValueError(f"tile={tile!r} is not supported; use (1, 16) or (16, 16)")
@@ -173,6 +202,14 @@ def quantize_nvfp4_core(
     compiled = (fused.use_compiled(kernels, device) and want_codes != (values_dtype is not None)
                 and x2d.numel() > 0)
     strict = kernels == "compiled"
+    if compiled and values_dtype is not None and tile_rows == 1 and fused.compiled_scales(device):
+        x_blocks = x2d.view(-1, BLOCK).detach()
+        if stochastic:  # the bytes the other paths draw, by the same call
+            scale_e4m3, amax, s_dec, values = _COMPILED_OPERAND_STOCHASTIC(
+                strict, x_blocks, fused.draw_bytes_like(x_blocks, generator), values_dtype)
+        else:
+            scale_e4m3, amax, s_dec, values = _COMPILED_OPERAND_NEAREST(strict, x_blocks, values_dtype)
+        return None, scale_e4m3.view(rows, k // BLOCK), amax, s_dec, values.view(rows, k)
     vec_max = _block_amax(x2d, tile_rows, compiled, strict)
     if not vec_max.numel():
         amax = torch.zeros((), device=device)

@@ -138,7 +138,8 @@ def prepare_tasks(tasks: list[str]):
 def evaluate(lm, tasks: list[str], manager, *, limit: Optional[int] = None,
              seed: int = 1234, log_samples: bool = False) -> dict[str, Any]:
     """lm-eval's simple_evaluate of `lm` on `tasks` (zero-shot, no bootstrap beyond lm-eval's
-    own stderr); its full results dictionary."""
+    own stderr); its full results dictionary on each node's first process (LOCAL_RANK 0), None
+    on the others (lm-eval's rule under torchrun: every process ran every request)."""
     from lm_eval import simple_evaluate
 
     lm_log = logging.getLogger("lm_eval")
@@ -270,6 +271,9 @@ class DownstreamEvaluator:
             self._lm = self.make_lm()
         results, seconds = timed(evaluate, self._lm, list(self.cfg.tasks), self._manager,
                                  limit=self.cfg.limit)
+        if results is None:  # not a node's first process: rank 0 logs the scores
+            self.pending = None
+            return {}
         metrics = {**flat_metrics(results), "eval/seconds": seconds}
         log.info(summary_line(step, {k: v for k, v in metrics.items() if k != "eval/seconds"},
                               seconds))

@@ -196,8 +196,8 @@ def run(args, tasks, manager, ctx) -> int:
     controller.before_evaluation()
     results, seconds = timed(evaluate, lm, tasks, manager, limit=args.limit, seed=args.seed,
                              log_samples=args.log_samples)
-    metrics = flat_metrics(results)
-    if ctx.is_main:
+    if ctx.is_main:  # lm-eval returns the results on the first process only
+        metrics = flat_metrics(results)
         print(f"{checkpoint} (step {step})")
         print(make_table(results))
         print(summary_line(step, metrics, seconds))

@@ -38,10 +38,14 @@ def _score_loss(labels: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int,
     output layer with (to a multiple of 128 x TP) are ids no text encodes to, and the HF export
     strips them, so they take no probability here either."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    if ps.get_tensor_model_parallel_world_size() > 1:  # the output layer's vocabulary shards
-        logits = gather_from_tensor_model_parallel_region(logits)
+    width = ps.get_tensor_model_parallel_world_size()
+    if width > 1:  # the output layer's vocabulary shards, in rank order
+        # dist.all_gather rather than megatron's gather_from_tensor_model_parallel_region, which
+        # allocates its output on CUDA; this runs under no_grad and needs no autograd.
+        shards = [torch.empty_like(logits) for _ in range(width)]
+        dist.all_gather(shards, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(shards, dim=-1)
     logp = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
     target = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     mask = loss_mask.float()

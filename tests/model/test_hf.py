@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pickle
 import subprocess
 import sys
@@ -21,8 +20,7 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
 from helpers import model_config, model_full_tensors  # noqa: E402
-from train_helpers import FAST, REPO, run_train  # noqa: E402
-from training.metrics import read_metrics  # noqa: E402
+from train_helpers import FAST, REPO, run_train, step_losses  # noqa: E402
 
 from model import hf  # noqa: E402
 from training import hf_export  # noqa: E402
@@ -348,12 +346,21 @@ def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_ca
         for key, tensor in want.items():
             assert torch.equal(tensors[key], tensor), (name, key)
 
-    # The first checkpoint is an ordinary one: the TP=2 run resumes at TP=1 (resharded).
-    proc = run_train(tmp_path / "tp2", *frozen, "trainer.max_steps=2", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    assert "resharded from tensor 2" in log and "resumed from" in log
-    assert math.isfinite(read_metrics(tmp_path / "tp2")[-1].get("loss", 0.0))
+    # The first checkpoint is an ordinary one: the TP=2 run resumes at TP=1 (resharded), and
+    # its step 2 is the TP=1 run's step 2 exactly: the same weights bit for bit (lr 1e-30), the
+    # same batch, the same one-process computation. A resharding that misplaced any weight
+    # would change the loss.
+    losses = {}
+    for name in ("tp1", "tp2"):
+        proc = run_train(tmp_path / name, *frozen, "trainer.max_steps=2", cache_dir=data_cache)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log
+        assert "resumed from" in log
+        assert ("resharded from tensor 2" in log) == (name == "tp2"), log
+        losses[name] = step_losses(tmp_path / name)
+    assert losses["tp1"][2] == losses["tp2"][2], losses
+    # The HF model was random: step 2's loss is near ln(4096) = 8.3, far from 0 or a NaN.
+    assert 7.0 < losses["tp1"][2] < 10.0, losses
 
 
 @pytest.mark.slow

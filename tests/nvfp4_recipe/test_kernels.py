@@ -1,12 +1,13 @@
 """The torch.compile'd quantization kernels against the eager ones: the same bits, always.
 
 The eager kernels are checked against the independent per-block reference elsewhere
-(tests/nvfp4_recipe/test_quant_reference.py), so bit equality here carries that over to the compiled path.
+(tests/nvfp4_recipe/quant_reference.py), so bit equality here carries that over to the compiled path.
 Shapes are small; each dtype / rounding variant compiles once per process (a few seconds).
 """
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -37,14 +38,16 @@ def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # Fprop/Dgrad input, Wgrad input
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_compiled_quantizer_is_bit_identical_to_eager(dtype, stochastic):
-    for name, x in _inputs(dtype).items():
+    # Output dtypes: bf16 operands (BF16 GEMMs), FP32 ones (BF16 GEMMs computed in FP32).
+    for (name, x), out_dtype in itertools.product(_inputs(dtype).items(), (torch.bfloat16, torch.float32)):
         for tile_rows in (1, 16):
             results = []
             for kernels in ("eager", "compiled"):
                 gen = torch.Generator().manual_seed(7)
-                results.append(nvfp4_scaled_values(x, tile_rows, stochastic, gen, torch.bfloat16, kernels))
+                results.append(nvfp4_scaled_values(x, tile_rows, stochastic, gen, out_dtype, kernels))
             (eager, eager_scale), (compiled, compiled_scale) = results
-            assert torch.equal(eager.view(torch.int16), compiled.view(torch.int16)), (name, tile_rows)
+            int_view = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(eager.view(int_view), compiled.view(int_view)), (name, tile_rows)
             assert torch.equal(eager_scale, compiled_scale)
 
 

@@ -11,10 +11,7 @@ from hypothesis.extra.numpy import arrays
 from nvfp4_recipe import NVFP4Tensor, quantize_nvfp4
 from nvfp4_recipe.formats import E2M1_MAGNITUDES, E2M1_TIES
 
-try:
-    from tests.test_quant_reference import e2m1_code, ref_dequantize_nvfp4, ref_quantize_nvfp4
-except ImportError:  # tests/ collected as a rootdir, not a package
-    from test_quant_reference import e2m1_code, ref_dequantize_nvfp4, ref_quantize_nvfp4
+from tests.nvfp4_recipe.quant_reference import e2m1_code, ref_dequantize_nvfp4, ref_quantize_nvfp4
 
 TILES = [(1, 16), (16, 16)]
 

@@ -20,10 +20,7 @@ from nvfp4_recipe import (
 from nvfp4_recipe.formats import unpack_codes
 from nvfp4_recipe.hadamard import sylvester_hadamard
 
-try:
-    from tests.test_quant_reference import E2M1_VALUE, ref_quantize_fp8_block, ref_quantize_mxfp4
-except ImportError:
-    from test_quant_reference import E2M1_VALUE, ref_quantize_fp8_block, ref_quantize_mxfp4
+from tests.nvfp4_recipe.quant_reference import E2M1_VALUE, ref_quantize_fp8_block, ref_quantize_mxfp4
 
 
 def _inputs() -> dict[str, torch.Tensor]:

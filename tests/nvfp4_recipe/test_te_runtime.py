@@ -1,10 +1,15 @@
 """TE decisions as pure functions (issue: the GPU path, B and G), run through the real stack.
 
 Transformer Engine is not installed here: a fake autocast records which recipe each layer's
-forward ran under, and a fake TE-wrapper flag stands for megatron's `is_first_microbatch`.
+forward ran under, and a fake TE wrapper stands for megatron's, whose `is_first_microbatch`
+contract is checked in megatron's installed source against TE's forward signature.
 """
 
 from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,9 +79,69 @@ def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
     assert entered == []
 
 
+# TE's linears' forward as TE v2.9 defines it (TE is not installed here; read in its source at tag
+# v2.9): transformer_engine/pytorch/module/linear.py:1371-1377 (Linear.forward) and
+# layernorm_linear.py:1484-1490 (LayerNormLinear.forward), the same parameters. The weight is
+# quantized anew when is_first_microbatch is None or True (linear.py:253), kept while False.
+def _te_v2_9_linear_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+    raise NotImplementedError  # a signature only
+
+
+def te_linear_forward_signature() -> inspect.Signature:
+    """The installed TE's Linear.forward signature, or TE v2.9's as read in its source."""
+    try:
+        from transformer_engine.pytorch import Linear
+    except ImportError:
+        return inspect.signature(_te_v2_9_linear_forward)
+    return inspect.signature(Linear.forward)
+
+
+def _method(module_ast: ast.Module, cls: str, name: str) -> ast.FunctionDef:
+    for node in module_ast.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    return item
+    raise AssertionError(f"{cls}.{name} not found in megatron's TE extension")
+
+
+def _assigns_flag(fn: ast.FunctionDef, value: bool) -> list[int]:
+    """Lines where `fn` sets self.is_first_microbatch = value."""
+    return [node.lineno for node in ast.walk(fn) if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Attribute) and t.attr == "is_first_microbatch"
+                    for t in node.targets)
+            and isinstance(node.value, ast.Constant) and node.value.value is value]
+
+
+@pytest.mark.parametrize("wrapper", ["TELinear", "TELayerNormColumnParallelLinear"])
+def test_megatrons_te_wrappers_keep_the_contract_the_refresh_relies_on(wrapper):
+    """What FakeTEWrapper stands for, checked in the installed megatron-core's source (its TE
+    classes cannot be built without TE) against TE's forward signature: the wrapper starts with
+    is_first_microbatch True, passes it to TE's forward by that keyword, and sets it False after."""
+    import megatron.core.extensions.transformer_engine as te_extension
+    from megatron.core.transformer.module import MegatronModule
+
+    tree = ast.parse(Path(te_extension.__file__).read_text())
+    assert _assigns_flag(_method(tree, wrapper, "__init__"), True)
+    forward = _method(tree, wrapper, "forward")
+    calls = [node for node in ast.walk(forward) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "forward"
+             and isinstance(node.func.value, ast.Call)
+             and getattr(node.func.value.func, "id", None) == "super"]
+    assert len(calls) == 1
+    call = calls[0]
+    keywords = {k.arg for k in call.keywords}
+    assert "is_first_microbatch" in keywords
+    te_linear_forward_signature().bind(None, *call.args, **dict.fromkeys(keywords))  # or TypeError
+    assert any(line > call.lineno for line in _assigns_flag(forward, False))
+    # Why the trainer resets the flag itself: megatron's own reset is only for config.fp8 / fp4.
+    source = inspect.getsource(MegatronModule.set_is_first_microbatch)
+    assert "fp8" in source and list(inspect.signature(MegatronModule.set_is_first_microbatch).parameters) == ["self"]
+
+
 class FakeTEWrapper(torch.nn.Module):
-    """megatron's TE linear wrappers: the flag goes False after each call (transformer_engine.py
-    672-678 in core 0.16.1); TE quantizes the weight only when it was True."""
+    """megatron's TE linear wrappers (the contract checked above): the flag goes False after each
+    call; TE quantizes the weight only when it was True."""
 
     def __init__(self):
         super().__init__()

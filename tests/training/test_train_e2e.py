@@ -60,8 +60,17 @@ def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache
     quant = {k: v for k, v in step2.items() if k.startswith("quant/")}
     # 6 NVFP4 layers x 2 linears x (activation, weight, gradient) x (rel_error, zero_frac, amax)
     assert len(quant) == 6 * 2 * 3 * 3
-    errors = [v for k, v in quant.items() if k.endswith("rel_error")]
-    assert all(0.02 < e < 0.5 for e in errors)  # NVFP4's relative error is ~0.1 on these tensors
+    # ||Q(x) - x|| / ||x||: E2M1 with a scale per 16 values rounds Gaussian values with ~0.09
+    # error (exact scales; E4M3 scales add to it: the initial weights measured 0.111-0.112); the
+    # activations lower (measured 0.074-0.096), the stochastically rounded gradients higher
+    # (0.117-0.139). A quantizer that skips rounding (0), zeroes the tensor (1) or clips the
+    # blocks (a block scale one binade too small: 0.36 on Gaussian values) leaves these bands.
+    bands = {"activation": (0.05, 0.13), "weight": (0.09, 0.13), "gradient": (0.09, 0.18)}
+    for key, error in quant.items():
+        kind = key.split("/")[-2]
+        if key.endswith("rel_error"):
+            low, high = bands[kind]
+            assert low < error < high, (key, error)
     assert "quant:" in proc.stdout
 
     resumed = rewound_copy(straight, tmp_path / "resumed", 4)
