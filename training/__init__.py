@@ -1,10 +1,12 @@
 """The training loop and its parts; the dry-run planner, the GEMM preflight, the HF export.
 
-- trainer (the loop, `train.py`'s `run`), config (the Hydra schema and `validate`), schedules
-  (forward and backward over a step's micro-batches), ddp_optimizer (BF16 weights, FP32 grads and
-  master weights, data parallelism), lr_schedule (the WSD schedule), distributed, grad_health, metrics.
+- trainer (the loop, `train.py`'s `run`: start-up checks, then `Trainer.fit`), config (the Hydra
+  schema, each group checking its own fields, and `validate` across groups), schedules (forward
+  and backward over a step's micro-batches), ddp_optimizer (BF16 weights, FP32 grads and master
+  weights, data parallelism), lr_schedule (the WSD schedule), validation (the validation loss),
+  cadence (`Every`: when each part of the loop is due), distributed, grad_health, metrics.
 - checkpoint, safe_load (atomic, verified checkpoints, loaded without running code from them),
-  run_dir (one trainer per run directory).
+  run_dir (one trainer per run directory: its lock, its safe files, its preparation at start-up).
 - plan (the dry run: memory, FLOPs and time per rank), preflight (every low-precision GEMM checked
   against its backend's rules, at start-up and in the dry run).
 - hf_export (`python -m training.hf_export`: a run to a transformers directory, BF16 or NVFP4),

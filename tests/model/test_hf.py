@@ -22,6 +22,7 @@ pytest.importorskip("transformers", reason="the Hugging Face extra: pip install 
 from helpers import model_config, model_full_tensors  # noqa: E402
 from train_helpers import FAST, REPO, run_train, step_losses  # noqa: E402
 
+from errors import ExitCode  # noqa: E402
 from model import hf  # noqa: E402
 from training import hf_export  # noqa: E402
 from model.build import build_model  # noqa: E402
@@ -165,8 +166,13 @@ def test_pickle_weights_are_refused_unopened(tmp_path):
     with pytest.raises(ValueError, match="pytorch_model.bin.*never loaded"):
         hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
     assert not marker.exists()
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(hf.HFError, match="no such directory") as missing:
         hf.check_init_from(dataclasses.replace(TINY, init_from=str(tmp_path / "missing")))
+    assert missing.value.code == ExitCode.MISSING  # exit 3, not 2
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(hf.HFError, match="not a directory") as not_dir:
+        hf.check_init_from(dataclasses.replace(TINY, init_from=str(tmp_path / "a_file")))
+    assert not_dir.value.code == ExitCode.CONFIG
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:
@@ -186,7 +192,7 @@ def test_a_truncated_safetensors_file_is_refused_at_validate_naming_it(tmp_path,
     with pytest.raises(ValueError) as info:
         hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
     message = str(info.value)
-    assert isinstance(info.value, hf.HFError) and info.value.code == hf.EXIT_CONFIG
+    assert isinstance(info.value, hf.HFError) and info.value.code == ExitCode.CONFIG
     assert f"model.init_from={hf_dir}: {victim.name} is truncated or corrupt" in message
     assert "\n" not in message
 
