@@ -11,9 +11,11 @@ lm-eval itself is imported only inside these functions: training without tasks n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -142,15 +144,43 @@ def evaluate(lm, tasks: list[str], manager, *, limit: Optional[int] = None,
     on the others (lm-eval's rule under torchrun: every process ran every request)."""
     from lm_eval import simple_evaluate
 
-    lm_log = logging.getLogger("lm_eval")
-    level = lm_log.level
-    lm_log.setLevel(logging.WARNING)  # its per-task INFO chatter would drown the run's log
-    try:
-        return simple_evaluate(model=lm, tasks=[os.path.expanduser(t) if _is_path(t) else t for t in tasks], task_manager=manager,
-                               limit=limit, log_samples=log_samples, random_seed=seed,
+    names = [os.path.expanduser(t) if _is_path(t) else t for t in tasks]
+    with _quiet_lm_eval():
+        return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                               log_samples=log_samples, random_seed=seed,
                                numpy_random_seed=seed, torch_random_seed=seed,
                                fewshot_random_seed=seed, bootstrap_iters=100)
+
+
+def _drop_metadata_hint(record: logging.LogRecord) -> bool:
+    # lm-eval warns on every task with a custom_dataset (all the shipped ones) that its own
+    # CLI's --metadata could pass kwargs: no use to this project, and one line per task.
+    return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval():
+    """One line per evaluation in the run's log: lm-eval's INFO chatter, its --metadata hint
+    and the progress bars of building requests and loading the local JSONL are off meanwhile
+    (ProjectLM turns off its own tokenizing bar)."""
+    import datasets
+    import lm_eval.api.task
+    from tqdm import tqdm
+
+    lm_log, task_log = logging.getLogger("lm_eval"), logging.getLogger(lm_eval.api.task.__name__)
+    level, bars_were_off = lm_log.level, datasets.is_progress_bar_enabled() is False
+    lm_log.setLevel(logging.WARNING)
+    task_log.addFilter(_drop_metadata_hint)
+    datasets.disable_progress_bars()
+    # Task.build_all_requests draws a bar per task with no switch to turn it off.
+    build_bar, lm_eval.api.task.tqdm = lm_eval.api.task.tqdm, partial(tqdm, disable=True)
+    try:
+        yield
     finally:
+        lm_eval.api.task.tqdm = build_bar
+        if not bars_were_off:
+            datasets.enable_progress_bars()
+        task_log.removeFilter(_drop_metadata_hint)
         lm_log.setLevel(level)
 
 

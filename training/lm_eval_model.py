@@ -152,6 +152,11 @@ class ProjectLM(TemplateLM):
             dist.broadcast(argmax, src=src, group=group)
         return logprob.cpu(), argmax.cpu()
 
+    def loglikelihood(self, requests, disable_tqdm: bool = True):
+        """lm-eval's tokenizing of (context, continuation) pairs, then the scores below;
+        without its progress bar (the run's log gets one line per evaluation)."""
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
                               **kwargs) -> list[tuple[float, bool]]:
         """((context, continuation), context ids, continuation ids) -> (sum of the

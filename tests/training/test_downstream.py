@@ -150,3 +150,28 @@ def test_in_loop_evaluation_killed_resumes_once_and_matches_the_cli(tmp_path, da
     assert result["metrics"]["eval/demo_arith_choice/acc"] == last["eval/demo_arith_choice/acc"]
     assert result["metrics"]["eval/demo_arith_choice/acc_norm"] == pytest.approx(
         last["eval/demo_arith_choice/acc_norm"])
+
+
+@pytest.mark.slow
+def test_in_loop_evaluation_at_tp2_logs_the_scores_the_cli_gives(tmp_path, data_cache):
+    # Every process runs lm-eval; only the first gets its results (the others None), and rank 0
+    # logs them. The command line at the same layout and batch size gives the same scores.
+    run_dir = tmp_path / "run"
+    args = [*FAST, *TINY, "parallel.tensor=2", "trainer.max_steps=2", "trainer.save_every=2",
+            "trainer.eval_every=100", "evaluation.tasks=[demo_arith_choice]",
+            "evaluation.every=2", "evaluation.limit=8", "evaluation.batch_size=8"]
+    proc = run_train(run_dir, *args, nproc=2, cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logged = [r for r in read_metrics(run_dir, kind="step") if "eval/demo_arith_choice/acc" in r]
+    assert [r["step"] for r in logged] == [2]
+    out = tmp_path / "results.json"
+    cli = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", "-m", "training.evaluate", str(run_dir),
+                          "--tasks", "demo_arith_choice", "--limit", "8", "--batch-size", "8",
+                          "--tensor", "2", "--output", str(out)], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "NVFP4_CACHE": str(data_cache)})
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["eval/demo_arith_choice/acc"] == logged[0]["eval/demo_arith_choice/acc"]
+    assert metrics["eval/demo_arith_choice/acc_norm"] == pytest.approx(
+        logged[0]["eval/demo_arith_choice/acc_norm"])

@@ -154,13 +154,17 @@ def test_nvfp4_scores_are_a_direct_forward_of_the_batch_and_not_bf16s(lm, nvfp4_
     assert all(d < 0.1 * n for d, n in zip(diffs, tokens)), (diffs, tokens)
 
 
-def test_nvfp4_through_lm_eval_gives_finite_scores(nvfp4_lm):
+def test_nvfp4_through_lm_eval_gives_finite_scores_quietly(nvfp4_lm, capfd):
     import math
 
     from training.downstream import evaluate, flat_metrics, prepare_tasks
 
     tasks = ["demo_arith_choice"]
+    capfd.readouterr()
     results = evaluate(nvfp4_lm, tasks, prepare_tasks(tasks), limit=4, log_samples=True)
+    # No progress bars or lm-eval hints: the run's log gets one line per evaluation.
+    printed = "".join(capfd.readouterr())
+    assert "it/s" not in printed and "--metadata" not in printed, printed
     metrics = flat_metrics(results)
     assert 0.0 <= metrics["eval/demo_arith_choice/acc"] <= 1.0
     samples = results["samples"]["demo_arith_choice"]
