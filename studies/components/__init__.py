@@ -12,7 +12,7 @@ x, weight W and output gradient dY, exactly as megatron's linear hands them to i
 with this project's quantizers (nvfp4_recipe; the GEMMs composed from the public quantizers as
 nvfp4_recipe/linear.py composes them, checked bit for bit against `quantized_linear` by
 tests/studies/test_components.py, and the quantizers against the independent per-block reference of
-tests/nvfp4_recipe/test_quant_reference.py on captured slices):
+tests/nvfp4_recipe/quant_reference.py on captured slices):
 
   RHT         relative error of the quantized Wgrad dY^T X against FP32, with and without the
               16-point RHT, per linear kind, and the kurtosis of the operands along T.

@@ -145,8 +145,8 @@ def accumulated_bias(state: dict) -> dict:
 
 
 def load_reference():
-    """tests/nvfp4_recipe/test_quant_reference.py (per-element Python loops written from the spec), or None."""
-    path = REPO / "tests" / "nvfp4_recipe" / "test_quant_reference.py"
+    """tests/nvfp4_recipe/quant_reference.py (per-element Python loops written from the spec), or None."""
+    path = REPO / "tests" / "nvfp4_recipe" / "quant_reference.py"
     if not path.exists():
         return None
     spec = importlib.util.spec_from_file_location("_quant_reference", path)
