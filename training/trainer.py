@@ -323,7 +323,9 @@ class Trainer:
 
         return ProjectLM(self.model, run_tokenizer(self.cfg.data), self.ctx,
                          hidden_size=self.cfg.model.hidden_size,
-                         max_length=self.cfg.trainer.seq_length,
+                         # as training.evaluate: the same scores in the loop and afterwards
+                         max_length=self.cfg.model.max_sequence_length,
+                         vocab_size=self.cfg.model.vocab_size,
                          batch_size=self.cfg.evaluation.batch_size, gemm=self.gemm,
                          before=self.precision.before_evaluation)
 
