@@ -151,7 +151,7 @@ def sr_steps(trainer, modules, model_cfg, batches: list[list[dict]], seeds: list
                     m.is_first_microbatch = True  # the trainer's protocol: quantize once a step
                 trainer.train_step(mb)
         update = masters(trainer) - start
-        val = trainer.evaluate()  # BF16 forward: the weights' quality, not the format's
+        val = trainer.validator.loss()  # BF16 forward: the weights' quality, not the format's
         return update, val
 
     bf16_update, bf16_val = run({}, 0)
@@ -177,7 +177,7 @@ def sr_steps(trainer, modules, model_cfg, batches: list[list[dict]], seeds: list
     def val_after(update):  # the validation loss of start + update (BF16 forward)
         restore(trainer, snap)
         set_masters(trainer, start + update)
-        return trainer.evaluate()
+        return trainer.validator.loss()
 
     mean_val = val_after(total / len(seeds))
     loo_vals = ([val_after((total - u) / (len(seeds) - 1)) for u in everything]

@@ -157,7 +157,7 @@ def run_study(args) -> dict:
                     log(f"step {step}: {args.sr_steps} optimizer steps x "
                         f"{args.sr_seeds + 2} runs done", t0)
             capture.remove()
-            results["final_val_loss"] = trainer.evaluate()
+            results["final_val_loss"] = trainer.validator.loss()
         finally:
             shutdown()
     results["phases"] = {k: round(v, 1) for k, v in phase.items()}
