@@ -7,5 +7,5 @@
 
 They use training/ and the packages below it (and benchmarks/ for the machine's CPU); no
 package imports them, only tests do. Their reports are Markdown templates (templates/) that
-report.py fills with each study's numbers.
+render.py fills with each study's numbers.
 """

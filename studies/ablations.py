@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
@@ -47,9 +46,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.machine import cpu_model
+from benchmarks.machine import hardware_info
 from errors import ConfigError, ExitCode, MissingError, ProjectError
-from studies.report import fmt, render
+from studies.render import fmt, render
 from training import metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -567,13 +566,6 @@ def plot(runs: dict, out: Path, key: str, filename: str, title: str, noise_pct: 
     plt.close(fig)
 
 
-def machine() -> dict:
-    import torch
-
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
 def write_report(runs_dir: Path, out: Path) -> dict:
     runs = collect(runs_dir)
     if not runs:
@@ -591,7 +583,7 @@ def write_report(runs_dir: Path, out: Path) -> dict:
     run_walls = [r["wall_s"] for c in runs.values() for r in c.values() if r["wall_s"]]
     sessions = study.get("sessions", [])
     session_wall = sum(s.get("wall_s", 0) for s in sessions)
-    mach = machine()
+    mach = hardware_info()
     plot(runs, out, "val_loss", "val_loss.png",
          "Validation loss vs BF16 of the same seed (mean over seeds)", threshold_noise["val"])
     plot(runs, out, "train_loss", "train_loss.png",

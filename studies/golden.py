@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.machine import cpu_model
+from benchmarks.machine import machine_summary
 from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,10 +87,6 @@ def corpus_tokens_sha256(corpus_path: str) -> str:
     return h.hexdigest()
 
 
-def machine() -> str:
-    return f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
-
-
 def losses_of(run_dir: Path) -> list[float]:
     by_step = {rec["step"]: rec["loss"] for rec in read_metrics(run_dir, kind="step")}
     return [by_step[s] for s in sorted(by_step)]
@@ -129,7 +125,7 @@ def regenerate() -> None:
                 "gemm_compute": gemm_compute_here(),
                 "python": platform.python_version(),
                 "tokenizers": tokenizers.__version__, "corpus_key": key, "corpus_tokens_sha256": tokens,
-                "machine": machine(), "generated": datetime.now(timezone.utc).isoformat(),
+                "machine": machine_summary(), "generated": datetime.now(timezone.utc).isoformat(),
                 "tolerance_other_builds": TOLERANCE[p], "tolerance_basis": TOLERANCE_BASIS[p],
                 "note": "regenerate with `python -m studies.golden --regenerate`; compared by "
                         "tests/training/test_golden.py: on the same corpus tokens (corpus_tokens_sha256), "

@@ -8,7 +8,7 @@ import re
 import statistics
 from pathlib import Path
 
-from studies.report import render
+from studies.render import render
 
 from .measure import ACCUMULATE_NS, REPEAT_NS
 from .plots import plots

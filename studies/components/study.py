@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import shlex
 import tempfile
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import cpu_model
+from benchmarks.machine import hardware_info
 from errors import ConfigError
 
 from . import REPO
@@ -32,11 +31,6 @@ TRAIN_OVERRIDES = [
     "trainer.eval_batches=4", "trainer.grad_health_every=0", "logger.mode=disabled",
 ]
 DEFAULT_STEPS = 400
-
-
-def machine() -> dict:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "torch_threads": torch.get_num_threads()}
 
 
 def capture_steps(steps: int, batches: int) -> list[list[int]]:
@@ -170,7 +164,7 @@ def run_study(args) -> dict:
                          "overrides": overrides[:-1],
                          "tokens_per_batch": cfg.trainer.seq_length * cfg.trainer.global_batch_size}
     results["command"] = shlex.join(["python", "-m", "studies.components", *args.argv])
-    results["machine"] = machine()
+    results["machine"] = hardware_info()
     results["generated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     log(f"study done in {results['wall_s'] / 60:.1f} min", t0)
     return results
