@@ -3,6 +3,7 @@ hooks installed for a profile only, none left in the numerics outside it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import model.mamba_mixer
@@ -57,12 +58,8 @@ def test_the_hooks_exist_only_inside_the_profile():
         for (owner, name), original in zip(CALL_SITES, originals):
             wrapped = vars(owner)[name]
             assert wrapped is not original and wrapped.__wrapped__ is original, (owner, name)
-        second = PartTimer()
-        try:
-            second.__enter__()
-            raise AssertionError("a second PartTimer installed over the first")
-        except RuntimeError as error:
-            assert "already wrapped" in str(error)
+        with pytest.raises(RuntimeError, match="already wrapped"):
+            PartTimer().__enter__()
         assert timer.take() == ({}, {})
     for (owner, name), original in zip(CALL_SITES, originals):
         assert vars(owner)[name] is original, (owner, name)
@@ -73,11 +70,8 @@ def test_a_missing_function_is_refused_and_nothing_stays_wrapped():
     original = nvfp4_recipe.linear.emulated_gemm
     parts = [Part("nvfp4_recipe.linear", "emulated_gemm", "gemm"),
              Part("nvfp4_recipe.operands._NVFP4Ops", "no_such_role", "quantize")]
-    try:
+    with pytest.raises(AttributeError, match="no_such_role"):
         PartTimer(parts).__enter__()
-        raise AssertionError("a part naming no method was installed")
-    except AttributeError as error:
-        assert "no_such_role" in str(error)
     assert nvfp4_recipe.linear.emulated_gemm is original
 
 
