@@ -29,14 +29,13 @@ vs_bf16 = BF16 time / this row's time for the same case (>1: faster than BF16).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,7 +45,8 @@ import torch.nn.functional as F
 from model.device import cuda_present, probe_hardware
 
 from .machine import MachineLoad, device_info, load_average
-from .timing import SectionTimer, format_table, gemm_tflops, measure_interleaved
+from .part_timer import QUANTIZE, SR_DRAWS, WGRAD_TRANSPOSE, PartTimer, step_parts
+from .timing import format_table, gemm_tflops, measure_interleaved
 
 SCHEMA_VERSION = 1
 CPU_SCALED_MM_MIN_GFLOPS = 5.0  # below this, _scaled_mm on CPU is a reference loop: skip its rows
@@ -303,21 +303,10 @@ def flops_per_token(cfg, seq: int, vocab: int) -> float:
     return model_flops_per_token(cfg, seq, padded_vocab_size(vocab, cfg.vocab_multiple, 1))
 
 
-@contextlib.contextmanager
-def _quantizer_timer(timer: SectionTimer):
-    """Wrap the quantizer and Wgrad-transpose (+ RHT) entry points the emulated linears call."""
-    import nvfp4_recipe.linear as lin
-
-    names = ["nvfp4_scaled_values", "transpose_padded", "mxfp4_dequantized_values",
-             "fp8_block_dequantized_values"]
-    saved = {n: getattr(lin, n) for n in names if hasattr(lin, n)}
-    for n, fn in saved.items():
-        setattr(lin, n, timer.wrap(n, fn))
-    try:
-        yield timer
-    finally:
-        for n, fn in saved.items():
-            setattr(lin, n, fn)
+def _quantization_timer() -> PartTimer:
+    """The step profile's hooks (benchmarks/part_timer.py) on the quantization parts only: every
+    GEMM operand's quantizer, the SR draws, the Wgrad transposes with the RHT."""
+    return PartTimer([p for p in step_parts() if p.label in (QUANTIZE, SR_DRAWS, WGRAD_TRANSPOSE)])
 
 
 _DIST_READY = False
@@ -384,8 +373,7 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
             seconds[fmt], paths[fmt] = step_s, path
             notes[fmt] = f"backend {backend} ({reason})" if backend == "te" or fmt != "bf16" else ""
             if fmt == "nvfp4" and backend == "emulated":
-                timer = SectionTimer()
-                with _quantizer_timer(timer):
+                with _quantization_timer() as timer:
                     t0 = time.perf_counter()
                     n = 1 if device.type == "cuda" else max(1, min(2, repeats))
                     for _ in range(n):
@@ -393,9 +381,10 @@ def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, devic
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     total = time.perf_counter() - t0
-                parts = ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(timer.seconds.items()))
+                part_seconds, _ = timer.take()
+                parts = ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(part_seconds.items()))
                 rows.append(_row("overhead", f"{model_name}: quantize share of step", label,
-                                 path, value=100.0 * timer.total() / total, unit="%",
+                                 path, value=100.0 * sum(part_seconds.values()) / total, unit="%",
                                  note=f"{n} instrumented steps: {parts}"))
             elif fmt == "nvfp4":
                 rows.append(_skip("overhead", f"{model_name}: quantize share of step", label,

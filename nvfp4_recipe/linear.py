@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_recipe.config import NVFP4Config, QuantConfig
-# transpose_padded: studies/components/gemms.py imports it from here.
-from nvfp4_recipe.operands import GemmOperand, _FormatOps, transpose_padded  # noqa: F401
+from nvfp4_recipe.operands import GemmOperand, _FormatOps
 from nvfp4_recipe.registry import spec_of_config
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from nvfp4_recipe.hadamard import rht_matrix
-from nvfp4_recipe.linear import GemmOperand, emulated_gemm, transpose_padded
+from nvfp4_recipe.linear import emulated_gemm
+from nvfp4_recipe.operands import GemmOperand, transpose_padded
 from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values
 from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values
 

@@ -115,7 +115,7 @@ def test_te_fp8_block_gemm_leading_and_outer_dims():
 
 @pytest.mark.parametrize("fmt,ok_n,bad_n", [("nvfp4", 2832, 2824), ("mxfp4", 2848, 2832)])
 def test_emulation_needs_whole_blocks_of_k_and_n(fmt, ok_n, bad_n):
-    """nvfp4_recipe/linear.py:70-83 check_shapes: K and N multiples of 16 (NVFP4) / 32 (MXFP4),
+    """nvfp4_recipe/operands.py:48-61 check_shapes: K and N multiples of 16 (NVFP4) / 32 (MXFP4),
     checked once before Fprop; T is zero-padded (any number of tokens)."""
     import torch
 
