@@ -7,8 +7,10 @@
     memory        the dry run's memory plan against a measured CPU run
     data_loader   the data loader's throughput and the blend state's memory
     data_prepare  the tokenizing throughput of `python -m data.prepare`
+    checkpoint_scaling  a checkpoint's save and load time and peak memory per data-parallel rank
 
 Shared: machine.py (what the machine is and how loaded it was while a bench ran; every bench but
-data_loader reports it, and the studies name the CPU with it) and timing.py (interleaved medians,
-section timers, Markdown tables; hardware and numerics).
+data_loader reports it, and the studies name the CPU with it), timing.py (interleaved medians,
+section timers, Markdown tables; hardware and numerics) and part_timer.py (the step's parts,
+hooked for the step profile and the hardware bench's quantization share only).
 """

@@ -6,7 +6,8 @@ Knows nothing of precision or the model. Entry points::
     bundle = build_data(cfg, seq_length=..., micro_batch_size=..., global_batch_size=...,
                         total_tokens=..., seed=..., dp_rank=..., dp_size=..., show_progress=...)
 
-``python -m data.prepare`` tokenizes JSONL/text/Parquet/Arrow into megatron-core indexed datasets
+The demo corpus (demo.py) is built from a snapshot of CPython 3.11.7's texts
+(demo_snapshot.py, demo_corpus/), the same on every Python version. ``python -m data.prepare`` tokenizes JSONL/text/Parquet/Arrow into megatron-core indexed datasets
 (whole, or one ``--shard I/N`` of a Slurm array);
 ``python -m benchmarks.data_loader`` measures the loader. ``import data`` stays light: torch and
 megatron-core load on first use of ``build_data``.
