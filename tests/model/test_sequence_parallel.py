@@ -25,7 +25,7 @@ def _step(sequence_parallel: bool, finalize: bool):
     from compat import seed_model_parallel_rng
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
-    from training import pipeline
+    from training import schedules
     from training.config import TrainerConfig
     from training.distributed import ParallelContext  # noqa: F401  (the ctx type)
     from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
@@ -42,13 +42,13 @@ def _step(sequence_parallel: bool, finalize: bool):
              "loss_mask": torch.ones(2, TOKENS)}
     torch.manual_seed(7)  # the stochastic-rounding stream: the same draws in both runs
     if finalize:
-        loss = pipeline.run_micro_batches(model, [batch], ctx, (TOKENS, 2, cfg.hidden_size))
+        loss = schedules.run_micro_batches(model, [batch], ctx, (TOKENS, 2, cfg.hidden_size))
     else:  # the schedule without megatron's finalize_model_grads: per-rank partial sums
         config = get_model_config(model)
         from compat import cpu_sequence_parallel_buffers
 
         with cpu_sequence_parallel_buffers(sequence_parallel, cuda=False):
-            pipeline._accumulate(model, [batch], pipeline.make_forward_step(ctx), config, False)
+            schedules._accumulate(model, [batch], schedules.make_forward_step(ctx), config, False)
         loss = None
     grads = {name: p.main_grad.clone() for name, p in core.named_parameters()}
     sp_names = {name for name, p in core.named_parameters()

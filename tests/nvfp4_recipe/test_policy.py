@@ -51,9 +51,10 @@ def test_bf16_layer_counts_are_range_checked(first, last, message):
      ({"switch_to_bf16": SwitchToBF16Config(passes="backward")}, "passes='backward'")],
 )
 def test_bad_values_name_the_key(overrides, key):
-    cfg = PrecisionConfig(**{"format": "nvfp4", **overrides})
+    """Refused where the config is made (PrecisionConfig.__post_init__, which OmegaConf.to_object
+    runs), naming the key."""
     with pytest.raises(ValueError) as err:
-        PrecisionPolicy(cfg, KINDS_12B)
+        PrecisionPolicy(PrecisionConfig(**{"format": "nvfp4", **overrides}), KINDS_12B)
     assert key in str(err.value)
 
 
