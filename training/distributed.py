@@ -110,6 +110,17 @@ def stochastic_rounding_seed(seed: int, ctx: ParallelContext) -> int:
     return seed + 1 + 1000 * index
 
 
+def mean_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
+    """`t` averaged in place over the data-parallel ranks (a step's or a validation's loss)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+    return t
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -29,6 +29,7 @@ import shutil
 import socket
 import stat
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -252,17 +253,13 @@ def _prepare_on_main(run_dir: Path, resume: str, config_text: str) -> None:
     if resume == "never" and holds_a_run(run_dir):
         raise ProjectError(never, ExitCode.IN_USE)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        locked = lock_run_dir(run_dir)
+        with _writing_into(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            locked = lock_run_dir(run_dir)
     except RunDirBusy as exc:
         raise RunDirBusy(
             f"run.dir={run_dir} is in use by another trainer: {exc}; wait for it to end or stop "
             "it (its lock goes with the process), or choose another run.dir") from None
-    except UnsafeFile as exc:
-        raise ProjectError(f"run.dir={run_dir}: {exc}", exc.code) from None
-    except OSError as exc:
-        raise ProjectError(unwritable_message("run.dir", run_dir, exc),
-                           ExitCode.UNWRITABLE) from None
     if not locked:
         log.warning(f"run.dir={run_dir}: the file system does not support locks; nothing "
                     "stops a second trainer from writing into this run directory")
@@ -273,7 +270,7 @@ def _prepare_on_main(run_dir: Path, resume: str, config_text: str) -> None:
             log.warning(f"removed {run_dir / 'checkpoints' / name}: an unfinished checkpoint "
                         "of a process that died")
     config_path = run_dir / "config.yaml"
-    try:  # created, never written through an existing name (a link included)
+    with _writing_into(run_dir):  # created, never written through an existing name (a link)
         if not os.path.lexists(config_path):
             create_run_file(config_path, config_text)
         elif read_run_file(config_path) != config_text:  # a resume with another config: keep both
@@ -281,6 +278,14 @@ def _prepare_on_main(run_dir: Path, resume: str, config_text: str) -> None:
             while os.path.lexists(run_dir / f"config.resume-{n}.yaml"):
                 n += 1
             create_run_file(run_dir / f"config.resume-{n}.yaml", config_text)
+
+
+@contextmanager
+def _writing_into(run_dir: Path):
+    """A planted link (UnsafeFile) or the file system's refusal, as one line naming run.dir
+    (exit 8)."""
+    try:
+        yield
     except UnsafeFile as exc:
         raise ProjectError(f"run.dir={run_dir}: {exc}", exc.code) from None
     except OSError as exc:

@@ -30,7 +30,8 @@ from .cadence import Every
 from .config import TrainConfig, recompute_config, validate
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
-from .distributed import ParallelContext, init_distributed, shutdown, stochastic_rounding_seed
+from .distributed import (ParallelContext, init_distributed, mean_over_data_parallel, shutdown,
+                          stochastic_rounding_seed)
 from .downstream import DownstreamEvaluator
 from .grad_health import GradHealth
 from .lr_schedule import WSDScheduler
@@ -238,16 +239,8 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}")
 
     # -- one step ---------------------------------------------------------------------------
-    def _all_reduce_mean(self, t: torch.Tensor, group) -> torch.Tensor:
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(t, group=group)
-            t /= dist.get_world_size(group)
-        return t
-
     def train_step(self, micro_batches: list[dict],
                    sink: Optional[MetricsSink] = None) -> StepResult:
-        from megatron.core import parallel_state
-
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -259,7 +252,7 @@ class Trainer:
         total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape,
                                   gemm=self.gemm)
         precision_metrics = self.precision.after_step(self.step)
-        loss = self._all_reduce_mean(total, parallel_state.get_data_parallel_group()).item()
+        loss = mean_over_data_parallel(total).item()
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
         health = self.grad_health.collect() if self.grad_health_due(self.step + 1) else None
         # megatron's optimizer.step(), split so that a non-finite norm can skip the update.

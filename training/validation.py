@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .cadence import Every
+from .distributed import mean_over_data_parallel
 from .schedules import run_micro_batches
 
 
@@ -20,15 +21,8 @@ class Validator:
     @torch.no_grad()
     def loss(self) -> float:
         """The mean token loss over the validation batches, averaged over data-parallel ranks."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
         self.model.eval()
         self.before()
         loss = run_micro_batches(self.model, self.batches, self.ctx, self.activation_shape,
                                  forward_only=True, gemm=self.gemm)
-        group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(loss, group=group)
-            loss /= dist.get_world_size(group)
-        return loss.item()
+        return mean_over_data_parallel(loss).item()
