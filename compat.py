@@ -66,7 +66,8 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
 10. `quiet_cpu_fallback_warnings`: megatron-core warns at import, on every machine without TE and
    Apex, that it falls back to torch (e.g. mc 0.16.1 optimizer/__init__.py:24, clip_grads.py:29):
    every CPU run's expected set-up, not news. A process-wide warnings filter, so only the entry
-   points call it (train.py, the export and evaluation commands, the benches), never an import.
+   points call it (train.py, the export and evaluation commands, the benches, the component
+   study), never an import.
 Items 1-4, 8 and 9 select, replace or load; they never edit a library's globals.
 """
 

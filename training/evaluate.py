@@ -96,11 +96,8 @@ def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
     from .hf_export import pick_checkpoint, read_checkpoint_weights, read_run
     from .ddp_optimizer import PARAMS_DTYPE
 
-    try:
-        files = read_run(run_dir)
-        checkpoint = pick_checkpoint(run_dir, step)
-    except HFError as exc:
-        raise ProjectError(str(exc), exc.code) from None
+    files = read_run(run_dir)  # HFError: a ProjectError with its own code
+    checkpoint = pick_checkpoint(run_dir, step)
     try:
         pipeline_stages(files.model.num_layers, ctx.pipeline, first_stage_layers,
                         last_stage_layers)
@@ -125,17 +122,14 @@ def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
                         num_layers_in_last_stage=last_stage_layers,
                         cuda=ctx.hardware.cuda)
     module = built.module.to(ctx.device)
-    try:
-        weights = read_checkpoint_weights(checkpoint)
+    weights = read_checkpoint_weights(checkpoint)
 
-        def tensor_for(key, shape):
-            if key not in weights:
-                raise HFError(f"{checkpoint.name} has no {key}", ExitCode.NO_USABLE_CHECKPOINT)
-            return weights[key]
+    def tensor_for(key, shape):
+        if key not in weights:
+            raise HFError(f"{checkpoint.name} has no {key}", ExitCode.NO_USABLE_CHECKPOINT)
+        return weights[key]
 
-        load_full_tensors(module, tensor_for)
-    except HFError as exc:
-        raise ProjectError(str(exc), exc.code) from None
+    load_full_tensors(module, tensor_for)
     return built, files, tokenizer, checkpoint
 
 
@@ -158,7 +152,10 @@ def precision_at(built, files, checkpoint, run_dir: Path):
 
 
 def main(argv=None) -> int:
+    from compat import quiet_cpu_fallback_warnings
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_cpu_fallback_warnings()
     args = parse_args(argv)
     ctx = None
     try:

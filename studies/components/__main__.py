@@ -51,4 +51,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from compat import quiet_cpu_fallback_warnings
+
+    quiet_cpu_fallback_warnings()
     sys.exit(main())
