@@ -13,20 +13,22 @@ import sys
 
 import hydra
 
-from compat import quiet_cpu_fallback_warnings
-from training.config import register_configs
-
-# Here, not in main(): megatron's checkpoint writer processes re-import this module.
-quiet_cpu_fallback_warnings()
+# Nothing heavy at module level: megatron's checkpoint writer starts a spawned helper process
+# (dist_checkpointing/strategies/filesystem_async.py, _get_write_results_queue) that re-imports
+# this module; importing torch and megatron there cost ~2 s per run and re-printed their warnings.
 
 
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")
 def main(cfg) -> None:
-    from training.trainer import run
+    from training.entry import run
 
     sys.exit(run(cfg))
 
 
-if __name__ == "__main__":  # megatron's checkpoint writers re-import this module: keep the guard
+if __name__ == "__main__":  # the spawned helper re-imports this module: keep the guard
+    from compat import quiet_cpu_fallback_warnings
+    from training.config import register_configs
+
+    quiet_cpu_fallback_warnings()
     register_configs()
     main()

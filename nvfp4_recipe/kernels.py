@@ -159,13 +159,13 @@ def _e2m1_codes_stochastic(x, encode, random_bytes) -> torch.Tensor:
     return _e2m1_codes(_round_stochastic(v, exponent, random_bytes), v < 0)
 
 
-# What a failed compilation raises (dynamo/inductor errors, incl. a C++ toolchain failure, and the
-# recompile limit under fullgraph); anything else (an OOM, a bad argument) is the caller's error.
-_COMPILE_ERRORS = (
-    torch._dynamo.exc.TorchDynamoException,
-    torch._dynamo.exc.FailOnRecompileLimitHit,
-    torch._inductor.exc.CppCompileError,
-)
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compilation raises (dynamo/inductor errors, incl. a C++ toolchain failure,
+    and the recompile limit under fullgraph); anything else (an OOM, a bad argument) is the
+    caller's error. Looked up on the first compiled call: importing dynamo costs ~1.5 s, which a
+    process that never runs these kernels (a refused start, a BF16 tool) should not pay."""
+    return (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit,
+            torch._inductor.exc.CppCompileError)
 
 
 class Fused:
@@ -176,15 +176,18 @@ class Fused:
 
     def __init__(self, fn) -> None:
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         self.failure: Exception | None = None
+
+    @functools.cached_property
+    def compiled(self):  # made on first use (see _compile_errors)
+        return torch.compile(self.fn, dynamic=True, fullgraph=True)
 
     def __call__(self, strict: bool, *args):
         if strict or self.failure is None:
             try:
                 with torch.no_grad():  # one grad mode for every caller: dynamo guards on it
                     return self.compiled(*args)
-            except _COMPILE_ERRORS as error:
+            except _compile_errors() as error:
                 if strict:
                     raise
                 self.failure = error

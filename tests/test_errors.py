@@ -79,7 +79,7 @@ def test_project_errors_carry_their_codes():
 def test_a_missing_init_from_directory_exits_3(tmp_path, demo_corpus):
     from hydra import compose, initialize_config_dir
 
-    from training import trainer
+    from training import entry
     from training.config import register_configs
 
     register_configs()
@@ -87,7 +87,7 @@ def test_a_missing_init_from_directory_exits_3(tmp_path, demo_corpus):
         raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}",
                                           f"data.cache_dir={demo_corpus[0]}",
                                           f"model.init_from={tmp_path / 'no_such_dir'}"])
-    assert trainer.run(raw) == ExitCode.MISSING
+    assert entry.run(raw) == ExitCode.MISSING
     assert not (tmp_path / "run").exists()
 
 

@@ -1,6 +1,7 @@
 """The training loop and its parts; the dry-run planner, the GEMM preflight, the HF export.
 
-- trainer (the loop, `train.py`'s `run`: start-up checks, then `Trainer.fit`), config (the Hydra
+- entry (`train.py`'s `run`: the start-up checks, cheapest first, then `Trainer.fit`), trainer
+  (the loop), signals (preemption and Ctrl-C, obeyed at a step's end), config (the Hydra
   schema, each group checking its own fields, and `validate` across groups), schedules (forward
   and backward over a step's micro-batches), ddp_optimizer (BF16 weights, FP32 grads and master
   weights, data parallelism), lr_schedule (the WSD schedule), validation (the validation loss),

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,63 +20,25 @@ from errors import ConfigError, ExitCode, ProjectError
 from data import build_data
 from model.build import build_model, choose_backend
 from nvfp4_recipe.megatron.controller import PrecisionController, diagnostics_summary
-from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
 from . import checkpoint as ckpt
 from . import run_dir as run_dir_lib
 from .cadence import Every
-from .config import TrainConfig, recompute_config, validate
+from .config import TrainConfig, recompute_config
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
-from .distributed import (ParallelContext, init_distributed, mean_over_data_parallel, shutdown,
-                          stochastic_rounding_seed)
+from .distributed import ParallelContext, mean_over_data_parallel, stochastic_rounding_seed
 from .downstream import DownstreamEvaluator
 from .grad_health import GradHealth
 from .lr_schedule import WSDScheduler
 from .metrics import (MetricsSink, check_wandb_online, data_line, grad_health_line, render,
-                      setup_logging, start_wandb, status_line)
+                      start_wandb, status_line)
 from .preflight import run_preflight
-from .run_dir import UnsafeFile, release_run_dir
 from .schedules import run_micro_batches
+from .signals import StopSignal
 from .validation import Validator
 
 log = logging.getLogger("nvfp4_pretrain")
-
-
-class StopSignal:
-    """SIGTERM/SIGUSR1 (preemption) or a first SIGINT (Ctrl-C) recorded, to be acted on at the
-    end of the current step; a second SIGINT raises KeyboardInterrupt at once (exit 130).
-
-    Installed first thing in `run()`, so a signal during start-up is not fatal either.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self):
-        self.name: Optional[str] = None
-        self.interrupted = False  # a SIGINT arrived: the next one stops at once
-        self.previous = {sig: signal.signal(sig, self._record) for sig in self.SIGNALS}
-
-    def restore(self) -> None:
-        """The handlers from before (for a caller that goes on after `run()`)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _record(self, signum, _frame) -> None:
-        if signum == signal.SIGINT:
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-        self.name = signal.Signals(signum).name
-        log.warning(f"{self.name} received: finishing this step, then checkpointing"
-                    + (" (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""))
-
-    def agreed(self, ctx: ParallelContext) -> bool:
-        """Whether any rank was signalled: all ranks must stop at the same step."""
-        flag = torch.tensor(float(self.name is not None), device=ctx.device)
-        if ctx.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 @dataclass
@@ -94,7 +54,7 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, stop: Optional[StopSignal] = None,
                  preflight=None):
-        """`preflight`: run()'s run_preflight result, so start-up checks the GEMMs once."""
+        """`preflight`: entry.run()'s run_preflight result, so start-up checks the GEMMs once."""
         self.cfg, self.ctx = cfg, ctx
         self.stop = stop or StopSignal()
         tr = cfg.trainer
@@ -449,87 +409,3 @@ def _check_vocab(cfg: TrainConfig) -> None:
             f"tokenizer's vocabulary of {size} tokens ({where}): ids up to {size - 1} would "
             f"index past the embedding; set model.vocab_size >= {size}, or null for the "
             "tokenizer's own", ExitCode.CONFIG)
-
-
-@contextlib.contextmanager
-def _config_errors():
-    """Start-up checks: a ValueError raised while checking the config (by the recipe's pure
-    rules, megatron's or torch's argument checks) is a config error, exit 2. Only here: after
-    start-up a ValueError is a bug and exits 1 with its traceback."""
-    try:
-        yield
-    except ProjectError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _start_up(raw) -> tuple[TrainConfig, ParallelContext, object]:
-    """The config checked against itself, the world and the machine, before anything is
-    written: (config, parallel context, GEMM preflight); (config, context, None) for a dry run."""
-    with _config_errors():
-        cfg: TrainConfig = OmegaConf.to_object(raw)
-        if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
-            from .plan import plan_world_size
-
-            ctx = init_distributed(1, 1, cfg.parallel.backend)
-            validate(cfg, plan_world_size(cfg))
-            return cfg, ctx, None
-        ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
-        validate(cfg, ctx.world_size)  # every group, data files included: before anything is written
-        backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
-        ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU (exit 2)
-        if backend == "te":
-            switch = cfg.precision.switch_to_bf16
-            check_te_switch(switch.passes, switch.at_fraction)
-        preflight = run_preflight(cfg, backend, ctx.hardware)
-        refusal = preflight.refusal()  # also: an override matching nothing
-        if refusal:
-            raise ConfigError(refusal)
-        if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
-            from .downstream import prepare_tasks
-
-            prepare_tasks(list(cfg.evaluation.tasks))
-        return cfg, ctx, preflight
-
-
-def run(raw) -> int:
-    """Entry point behind train.py: returns the process exit code (errors.ExitCode).
-
-    A refusal the project foresaw (errors.ProjectError) is one `error:` line and its code; any
-    other exception propagates with its traceback (exit 1).
-    """
-    ctx = None
-    stop = StopSignal()
-    run_dir = Path(str(raw.run.dir))
-    try:
-        cfg, ctx, preflight = _start_up(raw)
-        if cfg.run.dry_run:
-            from .plan import dry_run
-
-            return dry_run(cfg, ctx)
-        prepare_run_dir(cfg, ctx)
-        setup_logging(run_dir, ctx.is_main)
-        return Trainer(cfg, ctx, stop, preflight).fit()
-    except UnsafeFile as exc:  # metrics.jsonl, train.log planted as a link
-        log.error(f"error: run.dir={run_dir}: {exc}")
-        return exc.code
-    except ProjectError as exc:
-        log.error(f"error: {exc}")
-        return exc.code
-    except KeyboardInterrupt:
-        log.error("error: interrupted (a second SIGINT): stopped at once without a checkpoint; "
-                  "run again to continue from the last one")
-        return ExitCode.INTERRUPTED
-    except OSError as exc:  # only an OSError on run.dir or data.cache_dir: the disk's refusal
-        where = run_dir_lib.unwritable_key(exc, (("run.dir", raw.run.dir),
-                                                     ("data.cache_dir", raw.data.cache_dir)))
-        if where is None:
-            raise
-        log.error(f"error: {run_dir_lib.unwritable_message(*where, exc)}")
-        return ExitCode.UNWRITABLE
-    finally:
-        if ctx is not None:
-            release_run_dir(run_dir)  # if this process took it
-            shutdown()
-        stop.restore()

@@ -1,0 +1,131 @@
+"""train.py's entry: the start-up checks in the order of their cost, then the Trainer.
+
+A refused start should cost seconds: the config's own checks and those across groups and files
+run before megatron-core is imported (~3 s of a 2-core machine's ~6 s start), then the checks
+that need the process group and the machine, then the run directory, then training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from errors import ConfigError, ExitCode, ProjectError
+
+from . import run_dir as run_dir_lib
+from .config import TrainConfig, validate
+from .run_dir import UnsafeFile, release_run_dir
+from .signals import StopSignal
+
+log = logging.getLogger("nvfp4_pretrain")
+
+
+@contextlib.contextmanager
+def _config_errors():
+    """Start-up checks: a ValueError raised while checking the config (by the recipe's pure
+    rules, megatron's or torch's argument checks) is a config error, exit 2. Only here: after
+    start-up a ValueError is a bug and exits 1 with its traceback."""
+    try:
+        yield
+    except ProjectError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def launched_world_size() -> int:
+    """How many processes this run has, before joining their group: torchrun's and srun's
+    WORLD_SIZE beside RANK (training/distributed.py joins that group), else one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
+
+
+def _start_up(raw):
+    """The config checked against itself, the world and the machine, before anything is
+    written: (config, parallel context, GEMM preflight); (config, context, None) for a dry run."""
+    from .distributed import init_distributed
+
+    with _config_errors():
+        cfg: TrainConfig = OmegaConf.to_object(raw)
+        if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
+            from .plan import plan_world_size
+
+            ctx = init_distributed(1, 1, cfg.parallel.backend)
+            validate(cfg, plan_world_size(cfg))
+            return cfg, ctx, None
+        # every group, data files included, before anything is written and before megatron
+        validate(cfg, launched_world_size())
+        ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
+        from model.build import choose_backend
+        from nvfp4_recipe.megatron.te_runtime import check_te_switch
+
+        from .preflight import run_preflight
+
+        backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
+        ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU (exit 2)
+        if backend == "te":
+            switch = cfg.precision.switch_to_bf16
+            check_te_switch(switch.passes, switch.at_fraction)
+        preflight = run_preflight(cfg, backend, ctx.hardware)
+        refusal = preflight.refusal()  # also: an override matching nothing
+        if refusal:
+            raise ConfigError(refusal)
+        if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
+            from .downstream import prepare_tasks
+
+            prepare_tasks(list(cfg.evaluation.tasks))
+        return cfg, ctx, preflight
+
+
+def run(raw) -> int:
+    """Entry point behind train.py: returns the process exit code (errors.ExitCode).
+
+    A refusal the project foresaw (errors.ProjectError) is one `error:` line and its code; any
+    other exception propagates with its traceback (exit 1).
+    """
+    ctx = None
+    stop = StopSignal()
+    run_dir = Path(str(raw.run.dir))
+    try:
+        cfg, ctx, preflight = _start_up(raw)
+        if cfg.run.dry_run:
+            from .plan import dry_run
+
+            return dry_run(cfg, ctx)
+        from .metrics import setup_logging
+        from .trainer import Trainer, prepare_run_dir
+
+        prepare_run_dir(cfg, ctx)
+        setup_logging(run_dir, ctx.is_main)
+        return Trainer(cfg, ctx, stop, preflight).fit()
+    except UnsafeFile as exc:  # metrics.jsonl, train.log planted as a link
+        log.error(f"error: run.dir={run_dir}: {exc}")
+        return exc.code
+    except ProjectError as exc:
+        log.error(f"error: {exc}")
+        return exc.code
+    except KeyboardInterrupt:
+        log.error("error: interrupted (a second SIGINT): stopped at once without a checkpoint; "
+                  "run again to continue from the last one")
+        return ExitCode.INTERRUPTED
+    except OSError as exc:  # only an OSError on run.dir or data.cache_dir: the disk's refusal
+        where = run_dir_lib.unwritable_key(exc, (("run.dir", raw.run.dir),
+                                                     ("data.cache_dir", raw.data.cache_dir)))
+        if where is None:
+            raise
+        log.error(f"error: {run_dir_lib.unwritable_message(*where, exc)}")
+        return ExitCode.UNWRITABLE
+    finally:
+        if ctx is not None:
+            from .distributed import shutdown
+
+            release_run_dir(run_dir)  # if this process took it
+            shutdown()
+        stop.restore()
