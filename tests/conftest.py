@@ -12,6 +12,14 @@ def data_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory, data_cache):
+    """train.py runs that several tests read, each trained once (train_helpers.SharedRuns)."""
+    from train_helpers import SharedRuns
+
+    return SharedRuns(tmp_path_factory.mktemp("shared-runs"), data_cache)
+
+
+@pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory):
     """(cache_dir, DemoCorpus) of the default demo corpus, built once per session."""
     from data.demo import ensure_demo_corpus

@@ -18,6 +18,9 @@ RECIPES = REPO / "recipes"
 
 # The demo at test size (seconds per step on 2 cores: recipes/trainer/fast.yaml), without W&B.
 FAST = ["trainer=fast", "logger=disabled"]
+# Four demo steps with checkpoints at steps 2 and 4: the run most resume and layout tests continue
+# (from shared_runs, so that each layout trains it once per session).
+RESUMABLE = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
 
 
 def compose_train(*overrides: str):
@@ -47,6 +50,58 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, cache_dir: Path | 
                "--local-ranks-filter=0", str(script or REPO / "train.py"), *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def train_in_process(run_dir: Path, cache_dir: Path, *overrides: str) -> list:
+    """The StepResults of trainer.max_steps steps of a one-process Trainer (gloo) built as
+    train.py builds it, in this process: the CLI's steps without an interpreter start, for tests
+    that compare settings. Nothing is saved or evaluated; the process group is torn down after."""
+    from training.distributed import init_distributed, shutdown
+    from training.run_dir import release_run_dir
+    from training.trainer import Trainer, prepare_run_dir
+
+    cfg = compose_train(*overrides, f"run.dir={run_dir}", f"data.cache_dir={cache_dir}/data")
+    ctx = init_distributed(1, 1, "gloo")
+    try:
+        prepare_run_dir(cfg, ctx)
+        trainer = Trainer(cfg, ctx)
+        steps = []
+        for _ in range(cfg.trainer.max_steps):
+            steps.append(trainer.train_step(trainer.data.train.next_global_batch()))
+            trainer.step += 1
+        return steps
+    finally:
+        release_run_dir(run_dir)
+        shutdown()
+
+
+class SharedRuns:
+    """train.py runs several tests read: each distinct (overrides, nproc) trains once per session
+    (the `shared_runs` fixture). A test reads a shared run's metrics, log and checkpoints, and
+    copies it (rewound_copy) to continue it; `get` fails the test that finds a run changed since
+    it was made, so a test that wrote into one cannot pass silently."""
+
+    def __init__(self, root: Path, cache_dir: Path):
+        self.root, self.cache_dir = root, cache_dir
+        self._runs: dict[tuple, tuple[Path, str, dict]] = {}
+
+    def get(self, *overrides: str, nproc: int = 1) -> tuple[Path, str]:
+        """(run dir, stdout + stderr) of train.py with these overrides on `nproc` processes."""
+        key = (overrides, nproc)
+        if key not in self._runs:
+            run_dir = self.root / f"run{len(self._runs)}"
+            proc = run_train(run_dir, *overrides, nproc=nproc, cache_dir=self.cache_dir)
+            log = proc.stdout + proc.stderr
+            assert proc.returncode == 0, f"shared run {key} failed:\n{log[-3000:]}"
+            self._runs[key] = (run_dir, log, _fingerprint(run_dir))
+        run_dir, log, made = self._runs[key]
+        assert _fingerprint(run_dir) == made, f"a test changed the shared run {key}: copy it first"
+        return run_dir, log
+
+
+def _fingerprint(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
 def patched_train_script(path: Path, patch: str) -> Path:

@@ -33,6 +33,7 @@ def _rows(results, **match):
     return [r for r in results["rows"] if all(str(v) in str(r[k]) for k, v in match.items())]
 
 
+@pytest.mark.slow  # the module's one quick bench run: ~16 s on 2 cores
 def test_json_has_the_documented_keys(quick_bench):
     _, results, path = quick_bench
     assert results["schema_version"] == 1
@@ -54,6 +55,7 @@ def test_json_has_the_documented_keys(quick_bench):
     assert not _rows(results, status="error"), _rows(results, status="error")
 
 
+@pytest.mark.slow
 def test_emulation_rows_with_positive_finite_ratios(quick_bench):
     stdout, results, _ = quick_bench
     for shape in ("mlp fc1", "mamba in_proj", "attn qkv"):
@@ -78,6 +80,7 @@ def test_emulation_rows_with_positive_finite_ratios(quick_bench):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip reasons")
+@pytest.mark.slow
 def test_skipped_rows_say_why(quick_bench):
     _, results, _ = quick_bench
     reasons = {r["case"]: r["reason"] for r in results["skipped"]}

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
 from helpers import model_config, model_full_tensors  # noqa: E402
-from train_helpers import FAST, REPO, run_train, step_losses  # noqa: E402
+from train_helpers import FAST, REPO, RESUMABLE, run_train, step_losses  # noqa: E402
 
 from errors import ExitCode  # noqa: E402
 from model import hf  # noqa: E402
@@ -280,12 +280,10 @@ def _safetensors(directory: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, data_cache, capsys):
+def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, shared_runs, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *TRAIN, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, _ = shared_runs.get(*RESUMABLE)  # BF16, checkpoints at steps 2 and 4
     out = tmp_path / "hf"
     proc = _export(run_dir, "--output", out, "--max-shard-size", "4MB")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -295,7 +293,7 @@ def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, data_cac
         assert (out / name).is_file(), name
 
     # The exported tensors are the checkpoint's, split and stripped as documented.
-    full = hf_export.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000002")
+    full = hf_export.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000004")
     cfg = hf_export.read_run(run_dir).model
     expected = {k.replace("model.", "backbone.", 1): v
                 for k, v in hf.to_hf(full, cfg, 4096).items()}

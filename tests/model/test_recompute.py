@@ -158,15 +158,11 @@ def test_recompute_gives_bit_identical_losses_and_gradients_with_stochastic_roun
 
 @pytest.mark.slow
 def test_trainer_recompute_settings_train_identically(tmp_path, data_cache):
-    from train_helpers import FAST, run_train, step_losses
+    from train_helpers import FAST, train_in_process
 
-    args = [*FAST, "trainer.max_steps=3", "trainer.eval_every=100", "trainer.save_every=100",
-            "precision=nvfp4"]
-    losses = {}
-    for setting in ("none", "selective", "full"):
-        proc = run_train(tmp_path / setting, *args, f"trainer.recompute={setting}",
-                         cache_dir=data_cache)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        losses[setting] = step_losses(tmp_path / setting)
+    args = [*FAST, "trainer.max_steps=3", "precision=nvfp4"]
+    losses = {setting: [step.loss for step in train_in_process(
+        tmp_path / setting, data_cache, *args, f"trainer.recompute={setting}")]
+        for setting in ("none", "selective", "full")}
     assert len(losses["none"]) == 3
     assert losses["selective"] == losses["none"] and losses["full"] == losses["none"]

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from train_helpers import FAST, REPO, rewound_copy, run_train, step_losses
+from train_helpers import REPO, RESUMABLE, rewound_copy, run_train, step_losses
 from training import checkpoint as ckpt
 from training import ddp_optimizer as mp
 
@@ -214,14 +214,13 @@ ckpt.save_checkpoint = lambda *a, **kw: real_save(*a, **{{**kw, "spec": "te"}})
 sys.argv = [{train!r}, *sys.argv[1:]]
 runpy.run_path({train!r}, run_name="__main__")
 """
-ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
+ARGS = RESUMABLE
 
 
 @pytest.mark.slow
-def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, data_cache):
-    whole = tmp_path / "portable"
-    proc = run_train(whole, *ARGS, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, data_cache,
+                                                                      shared_runs):
+    whole, _ = shared_runs.get(*ARGS)
     expected = step_losses(whole)
 
     script = tmp_path / "save_as_te.py"

@@ -8,9 +8,8 @@ import re
 
 import pytest
 
-from train_helpers import FAST, rewound_copy, run_train, step_losses
-
-ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
+from train_helpers import RESUMABLE as ARGS
+from train_helpers import rewound_copy, run_train, step_losses
 SHARDED = "trainer.distributed_optimizer=true"
 
 
@@ -19,13 +18,12 @@ def _optimizer_mib(log: str) -> float:
 
 
 @pytest.mark.slow
-def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path, data_cache):
-    runs = {}
-    for name, extra in {"dp2": [], "dp2-sharded": [SHARDED]}.items():
-        proc = run_train(tmp_path / name, *ARGS, *extra, nproc=2, cache_dir=data_cache)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[name] = proc.stdout + proc.stderr
-    plain, sharded = step_losses(tmp_path / "dp2"), step_losses(tmp_path / "dp2-sharded")
+def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path, data_cache,
+                                                                        shared_runs):
+    (dp2, plain_log), (dp2_sharded, sharded_log) = (shared_runs.get(*ARGS, nproc=2),
+                                                    shared_runs.get(*ARGS, SHARDED, nproc=2))
+    runs = {"dp2": plain_log, "dp2-sharded": sharded_log}
+    plain, sharded = step_losses(dp2), step_losses(dp2_sharded)
     # The same sums in another order (reduce-scatter vs all-reduce, the norm's partial sums):
     # FP32 rounding, then BF16 weight roundings of nearly equal masters.
     for step in plain:
@@ -36,7 +34,7 @@ def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path
 
     # DP=2 (sharded) -> DP=1: the step-2 checkpoint continues in one process.
     one = tmp_path / "dp1-from-dp2"
-    rewound_copy(tmp_path / "dp2-sharded", one, 2)
+    rewound_copy(dp2_sharded, one, 2)
     proc = run_train(one, *ARGS, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step_0000002" in proc.stdout + proc.stderr
@@ -45,9 +43,7 @@ def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path
         assert math.isclose(got[step], sharded[step], abs_tol=5e-3), (got, sharded)
 
     # DP=1 -> DP=2 (sharded): a one-process checkpoint continues on two ranks.
-    single = tmp_path / "dp1"
-    proc = run_train(single, *ARGS, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single, _ = shared_runs.get(*ARGS)
     expected = step_losses(single)
     two = tmp_path / "dp2-from-dp1"
     rewound_copy(single, two, 2)

@@ -47,6 +47,7 @@ def test_a_network_task_is_refused_with_one_line_and_nothing_written(tmp_path):
     assert not out.exists() and not (tmp_path / "no-run").exists()
 
 
+@pytest.mark.slow  # the CLI indexes every lm-eval task to know a name is unknown: ~10 s
 def test_an_unknown_task_is_exit_2_naming_it(tmp_path):
     proc = evaluate_cli(tmp_path, "--tasks", "demo_no_such_task")
     assert proc.returncode == 2

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 
 import pytest
-from train_helpers import FAST, popen_train, run_train, step_losses, wait_for_step
+from train_helpers import FAST, RESUMABLE, popen_train, run_train, step_losses, wait_for_step
 from training.metrics import read_metrics
 from training.checkpoint import latest_valid_checkpoint, verify_checkpoint
+from training.run_dir import LOCK_NAME
 
 # BF16 keeps these fast; the NVFP4 resume test (test_train_e2e) covers the SR RNG state.
-ARGS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100",
-        "trainer.keep_last=10"]
+SIX_STEPS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100"]
+ARGS = [*SIX_STEPS, "trainer.keep_last=10"]
 
 
 
@@ -21,20 +23,23 @@ ARGS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_ever
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_cache):
-    reference = tmp_path / "reference"
-    assert run_train(reference, *ARGS, cache_dir=data_cache).returncode == 0
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_cache,
+                                                                  shared_runs):
+    reference, _ = shared_runs.get(*SIX_STEPS)  # keep_last does not change what trains
     expected = step_losses(reference)
 
     killed = tmp_path / "killed"
     kill_after = random.Random(os.getpid()).randint(2, 5)  # any moment, even mid-checkpoint
     proc = popen_train(killed, data_cache, *ARGS)
     wait_for_step(killed, kill_after, proc)
-    # The whole process group, as a node failure would: megatron's checkpoint helpers too.
+    # The whole process group, as a node failure would: megatron's checkpoint helpers too. The
+    # lock file stays but its lock went with the process (test_run_dir), so the next run resumes.
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert (killed / LOCK_NAME).exists()
     proc = run_train(killed, *ARGS, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout + proc.stderr
     # The resumed steps re-log; their losses equal the uninterrupted run's, bit for bit.
     assert step_losses(killed) == expected, f"killed after step {kill_after}"
 
@@ -55,10 +60,10 @@ def test_sigterm_checkpoints_and_exits_75_then_resumes(tmp_path, data_cache):
 
 
 @pytest.mark.slow
-def test_corrupt_or_torn_latest_checkpoint_falls_back_to_the_previous(tmp_path, data_cache):
-    run_dir = tmp_path / "run"
+def test_corrupt_or_torn_latest_checkpoint_falls_back_to_the_previous(tmp_path, data_cache,
+                                                                      shared_runs):
+    run_dir = shutil.copytree(shared_runs.get(*RESUMABLE)[0], tmp_path / "run")  # steps 2 and 4
     args = [*ARGS, "trainer.max_steps=4"]
-    assert run_train(run_dir, *args, cache_dir=data_cache).returncode == 0
     root = run_dir / "checkpoints"
     assert verify_checkpoint(root / "step_0000004") is None
     shard = root / "step_0000004" / "dist" / "__0_0.distcp"

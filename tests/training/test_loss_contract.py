@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from training.schedules import REPORT_KEY, loss_func, mean_micro_batch_loss
-from train_helpers import FAST, run_train
+from train_helpers import FAST, run_train, train_in_process
 from training.metrics import read_metrics
 
 
@@ -47,21 +47,23 @@ def test_the_old_two_tuple_reduce_was_divided_twice():
 @pytest.mark.slow
 def test_gradients_agree_across_micro_batches_and_pipeline_stages(tmp_path, data_cache):
     """Step 1's loss and grad norm (same weights, same 4 samples) for n = 1, 2, 4 micro-batches
-    in one process and through the 2-stage GPipe schedule. A gradient scaled by 1/n or 1/n^2
-    would move the norm by 2x or more; BF16 GEMMs over other micro-batch shapes differ by
-    ~1e-3 relative."""
+    in one process and through the 2-stage GPipe schedule (train.py on two processes). A gradient
+    scaled by 1/n or 1/n^2 would move the norm by 2x or more; BF16 GEMMs over other micro-batch
+    shapes differ by ~1e-3 relative."""
     base = [*FAST, "trainer.max_steps=1", "trainer.eval_every=100", "trainer.save_every=100",
             "trainer.global_batch_size=4", "precision=bf16"]
     runs = {}
     for micro in (4, 2, 1):
-        for stages in (1, 2):
-            extra = ["parallel.pipeline=2", "parallel.first_stage_layers=5"] if stages == 2 else []
-            run_dir = tmp_path / f"mb{micro}-pp{stages}"
-            proc = run_train(run_dir, *base, f"trainer.micro_batch_size={micro}", *extra,
-                             nproc=stages, cache_dir=data_cache)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-            (record,) = [m for m in read_metrics(run_dir) if "loss" in m]
-            runs[(4 // micro, stages)] = (record["loss"], record["grad_norm"])
+        (step,) = train_in_process(tmp_path / f"mb{micro}-pp1", data_cache, *base,
+                                   f"trainer.micro_batch_size={micro}")
+        runs[(4 // micro, 1)] = (step.loss, step.grad_norm)
+        run_dir = tmp_path / f"mb{micro}-pp2"
+        proc = run_train(run_dir, *base, f"trainer.micro_batch_size={micro}",
+                         "parallel.pipeline=2", "parallel.first_stage_layers=5", nproc=2,
+                         cache_dir=data_cache)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        (record,) = [m for m in read_metrics(run_dir) if "loss" in m]
+        runs[(4 // micro, 2)] = (record["loss"], record["grad_norm"])
     ref_loss, ref_norm = runs[(1, 1)]
     for key, (loss, norm) in runs.items():
         assert math.isclose(loss, ref_loss, rel_tol=2e-3), (key, runs)

@@ -217,7 +217,7 @@ def test_te_linears_overridden_run_in_their_own_context(parallel_context, monkey
 # -- start-up --------------------------------------------------------------------------------------
 
 
-def test_start_up_prints_the_map_and_a_pattern_matching_nothing_exits_2(tmp_path, data_cache):
+def test_start_up_refuses_an_override_pattern_matching_nothing_with_exit_2(tmp_path, data_cache):
     from train_helpers import FAST, run_train
 
     run_dir = tmp_path / "bad"
@@ -228,6 +228,11 @@ def test_start_up_prints_the_map_and_a_pattern_matching_nothing_exits_2(tmp_path
     text = res.stdout + res.stderr
     assert "error: precision.overrides: '*.mixer.inproj' matches no linear" in text
     assert not run_dir.exists()
+
+
+@pytest.mark.slow  # trains a step
+def test_start_up_prints_the_precision_map_and_the_preflight(tmp_path, data_cache):
+    from train_helpers import FAST, run_train
 
     run_dir = tmp_path / "good"
     res = run_train(run_dir, *FAST, "precision=nvfp4_mamba_proj_bf16", "trainer.max_steps=1",

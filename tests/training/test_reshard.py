@@ -6,16 +6,13 @@ import math
 
 import pytest
 
-from train_helpers import FAST, rewound_copy, run_train, step_losses
-
-ARGS = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
+from train_helpers import RESUMABLE as ARGS
+from train_helpers import rewound_copy, run_train, step_losses
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_continues_at_tp1_and_at_pp2(tmp_path, data_cache):
-    tp2 = tmp_path / "tp2"
-    proc = run_train(tp2, *ARGS, "parallel.tensor=2", nproc=2, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_tp2_checkpoint_continues_at_tp1_and_at_pp2(tmp_path, data_cache, shared_runs):
+    tp2, _ = shared_runs.get(*ARGS, "parallel.tensor=2", nproc=2)
     expected = step_losses(tp2)
 
     layouts = {"tp1": ([], 1), "pp2": (["parallel.pipeline=2", "parallel.first_stage_layers=5"], 2)}

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from train_helpers import FAST, rewound_copy, run_train, step_losses
+from train_helpers import FAST, RESUMABLE, rewound_copy, run_train, step_losses
 from training.metrics import read_metrics
 
 
@@ -83,14 +83,10 @@ def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data", "tensor"])
-def test_two_processes_match_one(tmp_path, data_cache, layout):
-    args = [*FAST, "trainer.max_steps=4", "trainer.eval_every=100", "trainer.save_every=100"]
-    single = tmp_path / "single"
-    assert run_train(single, *args, cache_dir=data_cache).returncode == 0
-    parallel = tmp_path / layout
+def test_two_processes_match_one(shared_runs, layout):
+    single, _ = shared_runs.get(*RESUMABLE)
     extra = ["parallel.tensor=2"] if layout == "tensor" else []
-    proc = run_train(parallel, *args, *extra, nproc=2, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parallel, _ = shared_runs.get(*RESUMABLE, *extra, nproc=2)
     one, two = step_losses(single), step_losses(parallel)
     assert one.keys() == two.keys()
     # DP=2 sums the same per-sample gradients in another order: fp32-ulp differences in the
