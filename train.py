@@ -14,8 +14,9 @@ import sys
 import hydra
 
 # Nothing heavy at module level: megatron's checkpoint writer starts a spawned helper process
-# (dist_checkpointing/strategies/filesystem_async.py, _get_write_results_queue) that re-imports
-# this module; importing torch and megatron there cost ~2 s per run and re-printed their warnings.
+# (mc 0.16.1 dist_checkpointing/strategies/filesystem_async.py, _get_write_results_queue: a
+# "spawn" Manager; later releases keep spawn as the default) that re-imports this module;
+# importing torch and megatron there cost 2-4 s per run that saves, and re-printed their warnings.
 
 
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nan_injection import NaNGradient, inject
-from train_helpers import FAST, REPO, run_train
+from train_helpers import FAST, REPO, run_train, train_in_process
 from training.cadence import Every
 from training.grad_health import group_names, layer_name, param_group
 from training.metrics import MetricsSink, grad_health_line, read_metrics, wandb_key
@@ -129,13 +129,12 @@ ARGS = [*FAST, "trainer.max_steps=2", "trainer.eval_every=100", "trainer.save_ev
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, data_cache) -> dict:
-    """Step 1's record of a one-process run: the per-layer norms every layout must reproduce."""
+    """Step 1's per-layer gradient health in one process (the trainer's step, in this process):
+    the norms every layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("grad-health") / "single"
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=1", cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (record,) = read_metrics(run_dir)
-    assert {k for k in record if k.startswith("grad/")} == HEALTH_KEYS
-    return record
+    (step,) = train_in_process(run_dir, data_cache, *ARGS, "trainer.max_steps=1")
+    assert set(step.health) == HEALTH_KEYS
+    return step.health
 
 
 def _same_health(got: dict, want: dict, rel: float) -> None:
