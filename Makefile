@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 train: setup  ## the CPU demo: ~6M-parameter hybrid, 3-6 min of training on 2 cores
 	$(PY) train.py $(ARGS)
 
-test: setup  ## the CI suite (fast + slow, ~40 min on 2 cores)
+test: setup  ## the CI suite (fast + slow, ~25 min on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
