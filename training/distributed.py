@@ -63,6 +63,14 @@ def data_parallel_size(tensor: int, pipeline: int, world_size: int) -> int:
     return world_size // (tensor * pipeline)
 
 
+def launched_world_size() -> int:
+    """How many processes this run has, before joining their group (init_distributed): torchrun's
+    and srun's WORLD_SIZE beside RANK, else one."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
+
+
 def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> ParallelContext:
     """Join the process group torchrun set up (or make a one-process group) and split it."""
     from megatron.core import parallel_state

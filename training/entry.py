@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -18,6 +17,7 @@ from errors import ConfigError, ExitCode, ProjectError
 
 from . import run_dir as run_dir_lib
 from .config import TrainConfig, validate
+from .distributed import init_distributed, launched_world_size, shutdown
 from .run_dir import UnsafeFile, release_run_dir
 from .signals import StopSignal
 
@@ -37,21 +37,9 @@ def _config_errors():
         raise ConfigError(str(exc)) from None
 
 
-def launched_world_size() -> int:
-    """How many processes this run has, before joining their group: torchrun's and srun's
-    WORLD_SIZE beside RANK (training/distributed.py joins that group), else one."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
-
-
 def _start_up(raw):
     """The config checked against itself, the world and the machine, before anything is
     written: (config, parallel context, GEMM preflight); (config, context, None) for a dry run."""
-    from .distributed import init_distributed
-
     with _config_errors():
         cfg: TrainConfig = OmegaConf.to_object(raw)
         if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
@@ -124,8 +112,6 @@ def run(raw) -> int:
         return ExitCode.UNWRITABLE
     finally:
         if ctx is not None:
-            from .distributed import shutdown
-
             release_run_dir(run_dir)  # if this process took it
             shutdown()
         stop.restore()

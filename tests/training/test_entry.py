@@ -53,7 +53,7 @@ assert run(raw) == 2
     ({"RANK": "3", "WORLD_SIZE": "8"}, 8),
 ])
 def test_the_launched_world_size_is_read_before_joining_the_group(monkeypatch, env, expected):
-    from training.entry import launched_world_size
+    from training.distributed import launched_world_size
 
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
