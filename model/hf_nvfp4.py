@@ -180,6 +180,23 @@ def bf16_linear_names(cfg: ModelConfig, formats: Mapping[str, str]) -> list[str]
     return names
 
 
+def vllm_limits(cfg: ModelConfig, formats: Mapping[str, str]) -> list[str]:
+    """What vLLM cannot serve of this export, one warning each (read: vLLM 0.33.0).
+
+    With one Mamba group, vLLM's in_proj replicates the group over tensor-parallel ranks and
+    re-targets its sharding loader to the parameters named `weight`, `weight_scale` and
+    `input_scale` only (model_executor/layers/mamba/mamba_mixer2.py:320-323, 384-390,
+    456-467): compressed-tensors' `weight_packed` and ModelOpt's 0-d `input_scale` of an NVFP4
+    in_proj then fail to load at TP > 1. The shipped models have 2 and 8 groups."""
+    nvfp4_in_proj = any(fmt == "nvfp4" and key.endswith(".mixer.in_proj")
+                        for key, fmt in formats.items())
+    if cfg.mamba_num_groups == 1 and nvfp4_in_proj:
+        return ["model.mamba_num_groups=1: vLLM loads this export's NVFP4 Mamba in_proj at "
+                "tensor parallel size 1 only (vLLM 0.33.0 mamba_mixer2.py:456-467); for TP > 1 "
+                "train with ++precision.overrides={*.mixer.in_proj:bf16}"]
+    return []
+
+
 def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedLinear],
                    inputs: Optional[Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
                    bf16_linears: list[str]) -> ServingExport:

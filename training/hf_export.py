@@ -353,6 +353,8 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
         about.update({"weights": "nvfp4", "format": fmt, "weight_2d": files.precision.weight_2d,
                       "input_amax_steps": amax_steps, "activations": "bf16" if weights_only
                       else "nvfp4"})
+        for limit in hf_nvfp4.vllm_limits(cfg, formats):
+            log.warning(f"warning: {limit}")
         switched = _switched_to_bf16(files, checkpoint)
         if switched is not None:
             log.warning(f"warning: this run's forward ran in BF16 after {switched:.0%} of its "

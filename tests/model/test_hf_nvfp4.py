@@ -341,6 +341,20 @@ def test_weights_only_export_has_no_input_scales(exports):
     assert group["group_0"]["input_activations"] is None
 
 
+def test_one_mamba_group_warns_that_vllm_serves_the_nvfp4_in_proj_at_tp1_only():
+    """vLLM 0.33.0 cannot load an NVFP4 in_proj of a one-group Mamba at TP > 1
+    (mamba_mixer2.py:456-467): the export says so, and only when it applies."""
+    one_group = dataclasses.replace(TINY, mamba_num_groups=1)
+    formats = precision_policy(one_group, precision()).linear_formats()
+    assert formats["layers.3.mixer.in_proj"] == "nvfp4"
+    [limit] = hf_nvfp4.vllm_limits(one_group, formats)
+    assert "mamba_num_groups=1" in limit and "tensor parallel size 1" in limit
+    assert hf_nvfp4.vllm_limits(TINY, nvfp4_linears(precision())) == []  # 2 groups: TP > 1 loads
+    in_proj_bf16 = precision_policy(one_group, dataclasses.replace(
+        precision(), overrides={OVERRIDE: "bf16", "*.mixer.in_proj": "bf16"})).linear_formats()
+    assert hf_nvfp4.vllm_limits(one_group, in_proj_bf16) == []
+
+
 def test_refusals_are_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys,
                                                           tiny_tokenizer, trained):
     weights, amax = trained
