@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -59,8 +60,13 @@ def _start_up(raw):
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
         ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU (exit 2)
         if backend == "te":
+            from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
+
             switch = cfg.precision.switch_to_bf16
             check_te_switch(switch.passes, switch.at_fraction)
+            refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
+            if refusal:
+                raise ConfigError(refusal)
         preflight = run_preflight(cfg, backend, ctx.hardware)
         refusal = preflight.refusal()  # also: an override matching nothing
         if refusal:

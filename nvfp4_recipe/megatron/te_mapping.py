@@ -8,7 +8,7 @@ imports TE lazily and is only called on a GPU with TE installed.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from nvfp4_recipe.policy import PrecisionConfig, low_precision_formats, validate_precision
 from nvfp4_recipe.registry import format_spec, major_minor
@@ -96,6 +96,34 @@ def probe_te_support(cfg: PrecisionConfig,
     except Exception as exc:  # ImportError, or a TE built for another CUDA / torch
         return False, f"transformer_engine not usable ({type(exc).__name__}: {exc})"[:200]
     return True, ""
+
+
+# Variables TE's recipe dataclasses read at import as the defaults of fields this project does not
+# pass (TE release_v2.19 common/recipe/__init__.py:429-434 and 558-574; backward_override since
+# v2.15, row scaling since v2.16, 4over6 since v2.17). Set, they change what TE computes away from
+# the recipe the run states and the emulation reproduces: (formats it touches, whether this value
+# changes it, what it does).
+TE_RECIPE_ENVIRONMENT = {
+    "NVTE_BACKWARD_OVERRIDE": (("nvfp4", "fp8"), lambda v: True,
+                               "backward GEMMs in high precision or on dequantized operands"),
+    "NVTE_NVFP4_ROW_SCALED_ACTIVATION": (("nvfp4",), lambda v: v == "1",
+                                         "per-row activation scales"),
+    "NVTE_NVFP4_4OVER6": (("nvfp4",), lambda v: v != "none", "4over6 block-scale selection"),
+    # class-level QParams(power_2_scale=not use_f32_scales): no keyword can undo it (:429-434)
+    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": (("fp8",), lambda v: v == "1",
+                                           "FP32 instead of power-of-two block scales"),
+}
+
+
+def te_environment_refusal(env: Mapping[str, str], formats) -> Optional[str]:
+    """Why a TE run cannot start with this environment (None: it can): a variable in
+    TE_RECIPE_ENVIRONMENT set to a value that changes a recipe the run uses."""
+    for name, (touches, changes, what) in TE_RECIPE_ENVIRONMENT.items():
+        value = env.get(name)
+        if value is not None and changes(value) and set(touches) & set(formats):
+            return (f"{name}={value} makes transformer_engine compute {what}, not the recipe "
+                    "this run states (precision.*) and the emulation reproduces: unset it")
+    return None
 
 
 def build_te_recipe(cfg: PrecisionConfig):

@@ -42,6 +42,34 @@ def test_forward_only_switch_is_refused_for_te_before_the_run():
         te_layer_recipe(LOW, RuntimePrecisionState(switched_passes="forward"), RECIPE)
 
 
+@pytest.mark.parametrize("env, formats, refused", [
+    ({}, ["nvfp4", "fp8"], None),
+    ({"NVTE_BACKWARD_OVERRIDE": "dequantized"}, ["nvfp4"], "NVTE_BACKWARD_OVERRIDE"),
+    ({"NVTE_BACKWARD_OVERRIDE": "high_precision"}, ["fp8"], "NVTE_BACKWARD_OVERRIDE"),
+    ({"NVTE_BACKWARD_OVERRIDE": "dequantized"}, ["bf16"], None),  # no TE recipe runs
+    ({"NVTE_NVFP4_ROW_SCALED_ACTIVATION": "1"}, ["nvfp4"], "NVTE_NVFP4_ROW_SCALED_ACTIVATION"),
+    ({"NVTE_NVFP4_ROW_SCALED_ACTIVATION": "0"}, ["nvfp4"], None),  # TE's own default
+    ({"NVTE_NVFP4_4OVER6": "all"}, ["nvfp4"], "NVTE_NVFP4_4OVER6"),
+    ({"NVTE_NVFP4_4OVER6": "none"}, ["nvfp4"], None),
+    ({"NVTE_NVFP4_4OVER6": "weights"}, ["fp8"], None),  # an NVFP4 field; no NVFP4 linear
+    ({"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, ["bf16", "fp8"], "FP32_SCALES"),
+    ({"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, ["nvfp4"], None),
+    # the fields this project passes itself (registry._nvfp4_te_recipe): the variable is moot
+    ({"NVTE_NVFP4_DISABLE_RHT": "1"}, ["nvfp4"], None),
+])
+def test_a_te_recipe_field_set_from_the_environment_is_refused(env, formats, refused):
+    """TE's recipe dataclasses take these fields' defaults from the environment at import
+    (release_v2.19 common/recipe/__init__.py:429-434, 558-574): set, TE would compute something
+    other than the run's recipe, silently."""
+    from nvfp4_recipe.megatron.te_mapping import te_environment_refusal
+
+    refusal = te_environment_refusal(env, formats)
+    if refused is None:
+        assert refusal is None
+    else:
+        assert refused in refusal and "unset it" in refusal
+
+
 def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
     """G: the stack enters each layer's context at every forward, so flipping the runtime state
     after the model was built changes what the next forward runs under."""

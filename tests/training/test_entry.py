@@ -60,3 +60,26 @@ def test_the_launched_world_size_is_read_before_joining_the_group(monkeypatch, e
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert launched_world_size() == expected
+
+
+def test_a_te_run_refuses_a_recipe_changed_by_the_environment(parallel_context, monkeypatch,
+                                                               tmp_path, data_cache):
+    """The start-up on a GPU with TE (the backend stated, as on a Blackwell node): a variable
+    that changes TE's NVFP4 recipe stops the run with exit 2 before anything is written."""
+    from hydra import compose, initialize_config_dir
+
+    from errors import ConfigError
+    from training import entry
+    from training.config import register_configs
+
+    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
+    monkeypatch.setattr("model.build.choose_backend", lambda *a, **k: ("te", "stated"))
+    run_dir = tmp_path / "run"
+    register_configs()
+    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
+        raw = compose("train", overrides=["trainer=fast", "logger=disabled", f"run.dir={run_dir}",
+                                          "precision=nvfp4"])
+    with pytest.raises(ConfigError, match="NVTE_BACKWARD_OVERRIDE=dequantized"):
+        entry._start_up(raw)
+    assert not run_dir.exists()
