@@ -122,18 +122,38 @@ class Rule:
     check: Callable[[str, Operand, Linear, Setting], Optional[str]]
 
 
+def _quantized_locally(op: Operand, linear: Linear, s: Setting) -> bool:
+    """Whether TE quantizes this operand on its local T/tensor rows: with sequence parallel, a
+    column-parallel linear's input is quantized, row-wise and column-wise, before its all-gather
+    (TE v2.19 module/linear.py:378-398, LayerNormLinear through csrc/extensions/
+    normalization.cpp:140). A row-parallel dY is gathered in BF16 first where its shard cannot be
+    quantized (v2.19 module/base.py:1745-1749, distributed.py:1384-1398): the full tensor."""
+    return (s.sequence_parallel and s.tensor > 1 and linear.parallel == "column"
+            and op.tensor == "x")
+
+
+def _te_dims(op: Operand, linear: Linear, s: Setting, row_multiple: int,
+             col_multiple: int) -> Optional[str]:
+    """_dims of the tensor TE quantizes: the local shard where `_quantized_locally`."""
+    if not _quantized_locally(op, linear, s):
+        return _dims(op, row_multiple, col_multiple)
+    local = Operand(op.tensor, op.rows // s.tensor, op.cols, op.usage)
+    problem = _dims(local, row_multiple, col_multiple)
+    return f"local shard {local.rows} x {local.cols}: {problem}" if problem else None
+
+
 def _te_quantize_16(gemm, op, linear, s):
-    return _dims(op, 16, 16)
+    return _te_dims(op, linear, s, 16, 16)
 
 
 def _te_cast_32(gemm, op, linear, s):
-    return _dims(op, 32, 32)
+    return _te_dims(op, linear, s, 32, 32)
 
 
 def _te_rht_fusion(gemm, op, linear, s):
     if not s.rht or op.usage != "columnwise" or op.tensor == "W":
         return None  # RHT: column-wise copies of x and dY only (TE v2.9 recipe/__init__.py:452-467)
-    problem = _dims(op, 64, 128)
+    problem = _te_dims(op, linear, s, 64, 128)
     te = _version(s.te_version)
     if problem is None and s.capability is not None and (te is None or te >= (2, 16)):
         if not (10, 0) <= s.capability <= (11, 0):  # v2.16 quantizer.cpp:2310-2312
@@ -141,14 +161,10 @@ def _te_rht_fusion(gemm, op, linear, s):
     return problem
 
 
-def _te_sp_gather(gemm, op, linear, s):
-    if not (s.sequence_parallel and s.tensor > 1 and linear.parallel == "column"
-            and gemm == "fprop" and op.tensor == "x"):
+def _te_fp8_sp_gather(gemm, op, linear, s):
+    if gemm != "fprop" or not _quantized_locally(op, linear, s):
         return None
-    block = 16 if linear.format == "nvfp4" else 128  # NVFP4 / Float8Block quantizer block_len
-    local = Operand("x", op.rows // s.tensor, op.cols, "rowwise")
-    problem = _dims(local, block, block)
-    return f"local shard {local.rows} x {local.cols}: {problem}" if problem else None
+    return _te_dims(op, linear, s, 128, 128)  # Float8BlockQuantizer block_len
 
 
 def _te_fp8_exec(gemm, op, linear, s):
@@ -179,10 +195,13 @@ def _emulated_block(block: int):
 
 RULES: tuple[Rule, ...] = (
     Rule("te.nvfp4.quantize_16", "te", ("nvfp4",), "fail",
-         "NVFP4 quantization: rows and columns multiples of 16",
-         "TE raises 'NVFP4 requires tensor dims that are divisible by 16'",
+         "NVFP4 quantization: rows and columns multiples of 16 (with sequence parallel, a "
+         "column-parallel input's local T/tensor rows)",
+         "TE raises 'First dim for NVFP4 must be divisible by 16' (rows) or 'NVFP4 requires "
+         "tensor dims that are divisible by 16' (columns)",
          "TE v2.9 pytorch/csrc/quantizer.cpp:1185-1189 (NVFP4Quantizer::create_tensor), "
-         "pytorch/tensor/nvfp4_tensor.py:180-188 (is_quantizable)", _te_quantize_16),
+         "pytorch/tensor/nvfp4_tensor.py:180-188 (is_quantizable); v2.19 quantizer.cpp:1982-1986; "
+         "local shard: v2.19 module/linear.py:378-398", _te_quantize_16),
     Rule("te.nvfp4.cast_32", "te", ("nvfp4",), "slower",
          "optimised NVFP4 cast kernel: BF16, rows and columns multiples of 32",
          "unoptimised cast kernel (quantize_transpose_vector_blockwise_fp4)",
@@ -194,12 +213,16 @@ RULES: tuple[Rule, ...] = (
          "separate RHT kernel, then the cast, through a columns x rows BF16 temporary",
          "TE v2.9 pytorch/csrc/quantizer.cpp:1477-1478 and 1599-1616; v2.16 :2310-2312; "
          "v2.18 :1909-1915 (is_eligible_for_rht_cast_fusion)", _te_rht_fusion),
-    Rule("te.sequence_parallel_gather", "te", ("nvfp4", "fp8"), "fail",
-         "sequence parallel: the column-parallel input is quantized on its local T/tensor rows "
-         "before the all-gather, which must be quantizable",
-         "TE asserts 'All-gather requires quantizable tensor'",
+    # NVFP4's local shard is te.nvfp4.quantize_16's: TE quantizes it before the gather and raises.
+    Rule("te.sequence_parallel_gather", "te", ("fp8",), "fail",
+         "FP8 block, sequence parallel: the column-parallel input is quantized on its local "
+         "T/tensor rows before the all-gather, which must be whole 128-row blocks",
+         "TE up to 2.13 asserts 'All-gather requires quantizable tensor'; from 2.14 it "
+         "dequantizes the local FP8 copy, gathers it in BF16 and quantizes again, so Wgrad's "
+         "blocks along T are quantized twice: not the emulation's numerics (not run on a GPU)",
          "TE v2.9 pytorch/module/linear.py:136-138, 169; pytorch/utils.py:449-457 "
-         "(assert_dim_for_all_gather)", _te_sp_gather),
+         "(assert_dim_for_all_gather), removed in v2.14 (5fd5c3578, PR #2637); v2.19 "
+         "module/linear.py:378-398, distributed.py:1133-1140", _te_fp8_sp_gather),
     Rule("te.fp8.exec_dims", "te", ("fp8",), "fail",
          "FP8 execution: product of the leading dimensions % 8, last dimension % 16",
          "TE asserts 'FP8 execution requires ...'",
@@ -321,8 +344,8 @@ KNOWN_BAD: tuple[KnownBad, ...] = (
              "is_nvfp4_available() says yes: training runs on zero gradients",
              "precision.stochastic_rounding=false, precision.backend=emulated, or a TE with "
              "the fix",
-             "https://github.com/NVIDIA/TransformerEngine/pull/3281 (fix commit fc1fc0e, merged "
-             "after v2.18: not in v2.18)",
+             "https://github.com/NVIDIA/TransformerEngine/pull/3281 (fix commit fc1fc0e: not in "
+             "v2.18, first in release_v2.19: software rounding at util/ptx.cuh:607-628)",
              lambda d: "nvfp4" in d.formats and d.stochastic_rounding and _sm12x(d)
              and _te_between(d, (2, 8), (2, 18))),
     KnownBad("te.sm12x_rht_crash", "fail",
@@ -332,7 +355,9 @@ KNOWN_BAD: tuple[KnownBad, ...] = (
              "in row_cast_col_hadamard_transform_cast_fusion.cu (that file appears in v2.14)",
              "precision.rht=false and precision.stochastic_rounding=false, or "
              "precision.backend=emulated",
-             "https://github.com/NVIDIA/TransformerEngine/issues/3062",
+             "https://github.com/NVIDIA/TransformerEngine/issues/3062 (filed the day v2.16 was "
+             "tagged; v2.16 stops launching that kernel outside SM 10.0-11.0, d5e7087db, "
+             "quantizer.cpp:1909-1915 in v2.18: kept until a GPU shows the issue's release)",
              lambda d: "nvfp4" in d.formats and (d.rht or d.stochastic_rounding) and _sm12x(d)
              and _te_between(d, (2, 14), None)),
     KnownBad("te.2.12_tuned_cast_disabled", "slower",
@@ -349,7 +374,7 @@ KNOWN_BAD: tuple[KnownBad, ...] = (
              "NVFP4 with RHT on non-BF16 activations",
              "TE raises 'RHT is only supported for bfloat16 input'",
              "BF16 activations (the trainer's Float16Module does this) or precision.rht=false",
-             "TE v2.9 pytorch/csrc/quantizer.cpp:1481-1483; v2.18 :2608-2611",
+             "TE v2.9 pytorch/csrc/quantizer.cpp:1481-1483; v2.18 :2608-2611; v2.19 :2631-2634",
              lambda d: "nvfp4" in d.formats and d.rht and d.activation_dtype != "bf16"),
 )
 

@@ -79,15 +79,32 @@ def test_te_nvfp4_fused_rht_cast_wants_rows_64_cols_128():
     assert verdicts(in_proj(4096), capability=(10, 0), te_version="2.18.0")["wgrad"] == "ok"
 
 
-def test_te_sequence_parallel_gather_needs_a_quantizable_local_shard():
-    """TE v2.9 linear.py:136-138, 169 + utils.py:449-457: with sequence parallel the column-
-    parallel input is quantized on its T/tensor rows before the all-gather."""
+def test_te_sequence_parallel_quantizes_the_local_shard_of_a_column_parallel_input():
+    """With sequence parallel TE quantizes a column-parallel input on its T/tensor rows, row-wise
+    and column-wise, before the all-gather (v2.19 module/linear.py:378-398): NVFP4 raises 'First
+    dim for NVFP4 must be divisible by 16' there (quantizer.cpp:1982-1983), and the cast and RHT
+    kernels are chosen by the local rows. FP8 block: TE <= 2.13 asserts (v2.9 utils.py:449-457),
+    later releases gather a dequantized copy (v2.19 distributed.py:1133-1140); refused either way."""
     column = in_proj(2848)
-    assert verdicts(column, tokens=8 * 24, tensor=8, sequence_parallel=True)["fprop"] == "fail"
-    assert verdicts(column, tokens=8 * 32, tensor=8, sequence_parallel=True)["fprop"] != "fail"
+    sp = {"tensor": 8, "sequence_parallel": True}
+    assert verdicts(column, tokens=8 * 24, **sp)["fprop"] == "fail"  # 24 local rows
+    assert reasons(column, tokens=8 * 24, **sp)["fprop"] == ["te.nvfp4.quantize_16",
+                                                            "te.nvfp4.cast_32"]
+    assert verdicts(column, tokens=8 * 24, tensor=8)["fprop"] != "fail"  # no SP: 192 rows
+    # 8 x 32 rows: quantizable and the fast cast, but 32 local rows miss the fused RHT (% 64)
+    aligned = in_proj(4096)  # N % 128: the gathered dY takes the fused RHT
+    assert verdicts(aligned, tokens=8 * 32, **sp) == {"fprop": "ok", "dgrad": "ok",
+                                                       "wgrad": "slower"}
+    assert reasons(aligned, tokens=8 * 32, **sp)["wgrad"] == ["te.nvfp4.rht_fusion"]
+    assert verdicts(aligned, tokens=8 * 32, tensor=8)["wgrad"] == "ok"  # no SP: 256 rows
+    assert verdicts(aligned, tokens=8 * 64, **sp)["wgrad"] == "ok"
+    # a row-parallel linear's input is not gathered; its dY is, in BF16 where it must be
     row = Linear("layers.2.mixer.out_proj", "nvfp4", 1280, 5120, parallel="row")
-    assert verdicts(row, tokens=8 * 24, tensor=8, sequence_parallel=True)["fprop"] != "fail"
-    assert verdicts(column, tokens=8 * 24, tensor=8)["fprop"] != "fail"  # no SP: no gather
+    assert verdicts(row, tokens=8 * 24, **sp)["fprop"] != "fail"
+    fp8 = in_proj(2848, "fp8")
+    assert reasons(fp8, tokens=8 * 64, **sp)["fprop"] == ["te.sequence_parallel_gather"]
+    assert verdicts(fp8, tokens=8 * 64, **sp)["fprop"] == "fail"
+    assert verdicts(fp8, tokens=8 * 128, **sp)["fprop"] == "ok"
 
 
 # -- TE FP8 block scaling --------------------------------------------------------------------------
