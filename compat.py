@@ -59,7 +59,8 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    TE linears of a built model whose config keeps megatron's `gradient_accumulation_fusion` off
    (model/build.py: the output layer would refuse it without apex). TE stores the flag at
    construction and reads it at every forward (TE v2.8 module/linear.py:1121, 1458,
-   layernorm_linear.py:1185, 1570; v2.18 linear.py:1313, 1745, layernorm_linear.py:1520, 1979);
+   layernorm_linear.py:1185, 1570; v2.18 layernorm_linear.py:1313, 1745, linear.py:1520, 1979;
+   v2.19 layernorm_linear.py:1342, 1774, linear.py:1595, 2054);
    megatron's wrappers pass the config's value there and nothing else reads it (mc 0.16.1
    extensions/transformer_engine.py:626, 828; the fused-MLP ops read the module's attribute,
    :1982, 2016). An attribute of the built modules, no library global.

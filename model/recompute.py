@@ -52,7 +52,9 @@ def checkpoint_implementation(*, cuda: bool, te_layers: bool) -> str:
     - "te": Transformer Engine layers. TE's checkpoint marks the recomputed forward
       (`activation_recompute_forward(..., recompute_phase=True)`, TE v2.9
       pytorch/distributed.py:420) so quantization state is not updated twice; megatron uses it for
-      FP8/FP4 layers too (`te_checkpoint`, mc 0.16.1 transformer_block.py:505-517).
+      FP8/FP4 layers too (`te_checkpoint`, mc 0.16.1 transformer_block.py:505-517). The autocast
+      each layer enters inside the region is honoured from TE 2.19 (distributed.py:258-286, PR
+      #3284); 2.18 froze the flag at entry and re-quantized the cached weight: same bits.
     - "megatron": any other layer on CUDA: `tensor_parallel.checkpoint`, which restores the CPU,
       CUDA and model-parallel RNG-tracker states before recomputing (mc 0.16.1
       tensor_parallel/random.py:496-570).

@@ -97,6 +97,8 @@ def round_e2m1_nearest_(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 # (PTX ISA 9.7.9.21 "cvt": "When converting to .e2m1x4, ... lower 8-bits ... for operands e, f and
 # upper 8-bits ... for operands a, b"). A byte r gives u = (r + 1/2) / 256, the midpoint of its
 # 1/256 interval, so the round-up probability is the fraction rounded to a multiple of 1/256.
+# TE 2.19's software rounding for GPUs without cvt.rs takes u = r / 256 (util/ptx.cuh:607-628):
+# the fraction floored; which one the instruction follows is not in TE's source (README).
 SR_BITS = 8
 SR_HALF = 0.5
 SR_SCALE = 2.0**-SR_BITS

@@ -1,8 +1,9 @@
 """NVFP4 quantization: E2M1 elements, E4M3 scales per 1x16 block (or 16x16 tile), FP32 tensor scale.
 
 Bit-exact to Transformer Engine's default (non-"4over6") path: the formulas and their operation
-order follow TE's reference quantizer (transformer_engine/pytorch/custom_recipes/reference_nvfp4.py,
-TE >= 2.8) and "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149, its format
+order follow TE's reference quantizer (transformer_engine/pytorch/custom_recipes/reference_nvfp4.py
+in TE 2.19; earlier quantization_ref_nvfp4.py in 2.16-2.18, quantization_nvfp4.py in 2.10-2.15,
+experimental/ in 2.8-2.9) and "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149, its format
 section); each step is written out where it is computed (tensor_scales, block_scales, formats.py).
 """
 
