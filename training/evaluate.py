@@ -113,6 +113,12 @@ def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
     except (OSError, ValueError) as exc:
         raise MissingError(f"the run's tokenizer: {exc}") from None
     backend, _ = choose_backend(files.precision, files.model.spec, ctx.hardware)
+    if backend == "te":  # as train.py's start-up: TE would evaluate another recipe
+        from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
+
+        refusal = te_environment_refusal(os.environ, te_formats(files.precision))
+        if refusal:
+            raise ConfigError(refusal)
     built = build_model(files.model, files.precision,
                         vocab_size=tokenizer.tokenizer.get_vocab_size(),
                         tensor_parallel=ctx.tensor, pipeline_parallel=ctx.pipeline,

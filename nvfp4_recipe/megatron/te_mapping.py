@@ -8,7 +8,7 @@ imports TE lazily and is only called on a GPU with TE installed.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from nvfp4_recipe.policy import PrecisionConfig, low_precision_formats, validate_precision
 from nvfp4_recipe.registry import format_spec, major_minor
@@ -98,31 +98,51 @@ def probe_te_support(cfg: PrecisionConfig,
     return True, ""
 
 
-# Variables TE's recipe dataclasses read at import as the defaults of fields this project does not
-# pass (TE release_v2.19 common/recipe/__init__.py:429-434 and 558-574; backward_override since
-# v2.15, row scaling since v2.16, 4over6 since v2.17). Set, they change what TE computes away from
-# the recipe the run states and the emulation reproduces: (formats it touches, whether this value
-# changes it, what it does).
-TE_RECIPE_ENVIRONMENT = {
-    "NVTE_BACKWARD_OVERRIDE": (("nvfp4", "fp8"), lambda v: True,
-                               "backward GEMMs in high precision or on dequantized operands"),
-    "NVTE_NVFP4_ROW_SCALED_ACTIVATION": (("nvfp4",), lambda v: v == "1",
-                                         "per-row activation scales"),
-    "NVTE_NVFP4_4OVER6": (("nvfp4",), lambda v: v != "none", "4over6 block-scale selection"),
-    # class-level QParams(power_2_scale=not use_f32_scales): no keyword can undo it (:429-434)
-    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": (("fp8",), lambda v: v == "1",
-                                           "FP32 instead of power-of-two block scales"),
+class TEVariable(NamedTuple):
+    """An environment variable Transformer Engine reads that changes what a recipe computes."""
+
+    formats: tuple[str, ...]  # the formats whose numerics it changes
+    changes: Callable[[str], bool]  # whether this value departs from TE's default
+    effect: str
+    since: str  # the first TE release that reads it
+
+
+# What TE reads from the environment beyond the fields this project passes (rht, stochastic
+# rounding, 2D weights; registry.py): the recipe dataclasses at import (TE release_v2.19
+# common/recipe/__init__.py:429-443 for Float8BlockScaling, 558-574 for NVFP4BlockScaling) and
+# the NVFP4 quantizer at each call (pytorch/csrc/quantizer.cpp:2679-2690 from 2.16; grouped casts
+# from 2.12, extensions/cast.cpp:849). common/util/system.h:25-37 parses that one as a bool:
+# unset or empty is false, "0" false, "1" true, anything else an error.
+TE_NUMERICS_ENVIRONMENT = {
+    "NVTE_BACKWARD_OVERRIDE": TEVariable(
+        ("nvfp4", "fp8"), lambda v: True,  # any value: a mode, or an assertion in __post_init__
+        "sets the recipe's backward_override (backward GEMMs on high-precision or dequantized "
+        "operands)", "2.15"),
+    "NVTE_NVFP4_ROW_SCALED_ACTIVATION": TEVariable(
+        ("nvfp4",), lambda v: v == "1", "scales activations per row", "2.16"),
+    "NVTE_NVFP4_4OVER6": TEVariable(
+        ("nvfp4",), lambda v: v != "none", "sets the recipe's 4over6 block-scale selection",
+        "2.17"),
+    # A class-level QParams(power_2_scale=not use_f32_scales): no keyword can undo it (:429-434).
+    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": TEVariable(
+        ("fp8",), lambda v: v == "1", "makes the FP8 block scales FP32 instead of powers of two",
+        "2.3"),
+    "NVTE_USE_FAST_MATH": TEVariable(
+        ("nvfp4",), lambda v: v not in ("", "0"),
+        "makes NVFP4 quantization use an approximate reciprocal and skip the RHT output's BF16 "
+        "rounding", "2.12"),
 }
 
 
 def te_environment_refusal(env: Mapping[str, str], formats) -> Optional[str]:
-    """Why a TE run cannot start with this environment (None: it can): a variable in
-    TE_RECIPE_ENVIRONMENT set to a value that changes a recipe the run uses."""
-    for name, (touches, changes, what) in TE_RECIPE_ENVIRONMENT.items():
+    """Why a model on TE cannot be built with this environment (None: it can): a variable of
+    TE_NUMERICS_ENVIRONMENT set so that it changes a format the model runs."""
+    for name, var in TE_NUMERICS_ENVIRONMENT.items():
         value = env.get(name)
-        if value is not None and changes(value) and set(touches) & set(formats):
-            return (f"{name}={value} makes transformer_engine compute {what}, not the recipe "
-                    "this run states (precision.*) and the emulation reproduces: unset it")
+        if value is not None and var.changes(value) and set(var.formats) & set(formats):
+            return (f"{name}={value!r}: transformer_engine {var.since} and newer read it, and it "
+                    f"{var.effect}: not the recipe this run states (precision.*) and the "
+                    "emulation reproduces; unset it")
     return None
 
 

@@ -54,12 +54,18 @@ def test_forward_only_switch_is_refused_for_te_before_the_run():
     ({"NVTE_NVFP4_4OVER6": "weights"}, ["fp8"], None),  # an NVFP4 field; no NVFP4 linear
     ({"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, ["bf16", "fp8"], "FP32_SCALES"),
     ({"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, ["nvfp4"], None),
+    ({"NVTE_BACKWARD_OVERRIDE": ""}, ["nvfp4"], "NVTE_BACKWARD_OVERRIDE"),  # TE asserts on ""
+    ({"NVTE_USE_FAST_MATH": "1"}, ["nvfp4"], "NVTE_USE_FAST_MATH"),
+    ({"NVTE_USE_FAST_MATH": ""}, ["nvfp4"], None),  # getenv<bool>: empty is the default, off
+    ({"NVTE_USE_FAST_MATH": "0"}, ["nvfp4"], None),
+    ({"NVTE_USE_FAST_MATH": "1"}, ["fp8"], None),  # read by the NVFP4 quantizer only
     # the fields this project passes itself (registry._nvfp4_te_recipe): the variable is moot
     ({"NVTE_NVFP4_DISABLE_RHT": "1"}, ["nvfp4"], None),
 ])
 def test_a_te_recipe_field_set_from_the_environment_is_refused(env, formats, refused):
     """TE's recipe dataclasses take these fields' defaults from the environment at import
-    (release_v2.19 common/recipe/__init__.py:429-434, 558-574): set, TE would compute something
+    (release_v2.19 common/recipe/__init__.py:429-443, 558-574) and its NVFP4 quantizer reads
+    NVTE_USE_FAST_MATH (pytorch/csrc/quantizer.cpp:2679-2690): set, TE would compute something
     other than the run's recipe, silently."""
     from nvfp4_recipe.megatron.te_mapping import te_environment_refusal
 
