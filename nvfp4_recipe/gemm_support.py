@@ -10,13 +10,15 @@ shape on one tensor-parallel rank; here each linear becomes its three GEMMs and 
     Wgrad  dW = dY^T x    dY and x column-wise (blocks along T; the RHT'd operands in NVFP4)
 
 T = micro-batch x sequence (the rows of one GEMM), K = in_features, N = out_features, both local.
-An operand is checked as the tensor TE stores: rows = product of its leading dimensions, columns
-= its last (TE flattens to 2-D: quantizer.cpp `flat_first_dim` / `flat_last_dim`).
+An operand is checked as the tensor TE quantizes: rows = product of its leading dimensions,
+columns = its last (TE flattens to 2-D: quantizer.cpp `flat_first_dim` / `flat_last_dim`); with
+sequence parallel, the local T/tensor shard that TE quantizes before an all-gather.
 
 Every rule names its source: TE release and file:line (read at the tags in the mirror), or this
 package's own code for the emulation. Verdicts: "ok", "slower" (a fallback kernel: correct, slower
-and sometimes more memory), "fail" (the backend raises, or computes garbage): a run refuses to
-start on "fail" (exit 2), naming the layer, the dimension and the tensor-parallel sizes that work.
+and sometimes more memory), "fail" (the backend raises, computes garbage, or computes other
+numerics than the recipe the emulation reproduces): a run refuses to start on "fail" (exit 2),
+naming the layer, the dimension and the tensor-parallel sizes that work.
 """
 
 from __future__ import annotations
@@ -122,22 +124,32 @@ class Rule:
     check: Callable[[str, Operand, Linear, Setting], Optional[str]]
 
 
-def _quantized_locally(op: Operand, linear: Linear, s: Setting) -> bool:
-    """Whether TE quantizes this operand on its local T/tensor rows: with sequence parallel, a
-    column-parallel linear's input is quantized, row-wise and column-wise, before its all-gather
-    (TE v2.19 module/linear.py:378-398, LayerNormLinear through csrc/extensions/
-    normalization.cpp:140). A row-parallel dY is gathered in BF16 first where its shard cannot be
-    quantized (v2.19 module/base.py:1745-1749, distributed.py:1384-1398): the full tensor."""
-    return (s.sequence_parallel and s.tensor > 1 and linear.parallel == "column"
-            and op.tensor == "x")
+def _local_rows(op: Operand, linear: Linear, s: Setting) -> Optional[int]:
+    """The rows of the local T/tensor shard where TE quantizes this operand before an all-gather
+    of sequence parallel; None where it quantizes the whole operand:
+    - a column-parallel linear's input, row-wise and column-wise (TE v2.19 module/linear.py:
+      378-398; LayerNormLinear through csrc/extensions/normalization.cpp:140);
+    - a row-parallel linear's NVFP4 dY when its shard is quantizable (rows and columns % 16);
+      otherwise TE gathers it in BF16 and quantizes the whole (module/base.py:1745-1750,
+      distributed.py:1384-1406)."""
+    if not (s.sequence_parallel and s.tensor > 1):
+        return None
+    local = op.rows // s.tensor
+    if linear.parallel == "column" and op.tensor == "x":
+        return local
+    if (linear.parallel == "row" and op.tensor == "dY" and linear.format == "nvfp4"
+            and local % 16 == 0 and op.cols % 16 == 0):
+        return local
+    return None
 
 
 def _te_dims(op: Operand, linear: Linear, s: Setting, row_multiple: int,
              col_multiple: int) -> Optional[str]:
-    """_dims of the tensor TE quantizes: the local shard where `_quantized_locally`."""
-    if not _quantized_locally(op, linear, s):
+    """_dims of the tensor TE quantizes: the local shard where `_local_rows` says so."""
+    rows = _local_rows(op, linear, s)
+    if rows is None:
         return _dims(op, row_multiple, col_multiple)
-    local = Operand(op.tensor, op.rows // s.tensor, op.cols, op.usage)
+    local = Operand(op.tensor, rows, op.cols, op.usage)
     problem = _dims(local, row_multiple, col_multiple)
     return f"local shard {local.rows} x {local.cols}: {problem}" if problem else None
 
@@ -162,9 +174,13 @@ def _te_rht_fusion(gemm, op, linear, s):
 
 
 def _te_fp8_sp_gather(gemm, op, linear, s):
-    if gemm != "fprop" or not _quantized_locally(op, linear, s):
+    rows = _local_rows(op, linear, s)
+    if gemm != "fprop" or rows is None:
         return None
-    return _te_dims(op, linear, s, 128, 128)  # Float8BlockQuantizer block_len
+    # Whole 128-row blocks (Float8BlockQuantizer block_len). A K that misses them also falls back
+    # to the BF16 gather, but its blocks along K and T stay the shard's: the round trip of
+    # power-of-two scales gives the same values, so K is not checked.
+    return _not_multiple("local rows (T/tensor)", rows, 128)
 
 
 def _te_fp8_exec(gemm, op, linear, s):
@@ -198,23 +214,25 @@ RULES: tuple[Rule, ...] = (
          "NVFP4 quantization: rows and columns multiples of 16 (with sequence parallel, a "
          "column-parallel input's local T/tensor rows)",
          "TE raises 'First dim for NVFP4 must be divisible by 16' (rows) or 'NVFP4 requires "
-         "tensor dims that are divisible by 16' (columns)",
+         "tensor dims that are divisible by 16' (columns); up to TE 2.13 a local shard first "
+         "fails 'All-gather requires quantizable tensor' (v2.13 module/linear.py:178)",
          "TE v2.9 pytorch/csrc/quantizer.cpp:1185-1189 (NVFP4Quantizer::create_tensor), "
          "pytorch/tensor/nvfp4_tensor.py:180-188 (is_quantizable); v2.19 quantizer.cpp:1982-1986; "
          "local shard: v2.19 module/linear.py:378-398", _te_quantize_16),
     Rule("te.nvfp4.cast_32", "te", ("nvfp4",), "slower",
-         "optimised NVFP4 cast kernel: BF16, rows and columns multiples of 32",
+         "optimised NVFP4 cast kernel: BF16, rows and columns multiples of 32 (rows of the "
+         "local shard where sequence parallel quantizes one)",
          "unoptimised cast kernel (quantize_transpose_vector_blockwise_fp4)",
          "TE v2.9 common/util/cast_kernels.cuh:2104-2125; v2.10-v2.16 "
          "common/cast/dispatch/quantize.cuh:102; v2.18 quantize.cuh:121-124", _te_cast_32),
     Rule("te.nvfp4.rht_fusion", "te", ("nvfp4",), "slower",
-         "fused Hadamard+cast (Wgrad operands): rows % 64, columns % 128, on SM 10.0-11.0 from "
-         "TE 2.16",
+         "fused Hadamard+cast (Wgrad operands): rows % 64, columns % 128 (rows of the local "
+         "shard where sequence parallel quantizes one), on SM 10.0-11.0 from TE 2.16",
          "separate RHT kernel, then the cast, through a columns x rows BF16 temporary",
          "TE v2.9 pytorch/csrc/quantizer.cpp:1477-1478 and 1599-1616; v2.16 :2310-2312; "
          "v2.18 :1909-1915 (is_eligible_for_rht_cast_fusion)", _te_rht_fusion),
-    # NVFP4's local shard is te.nvfp4.quantize_16's: TE quantizes it before the gather and raises.
-    Rule("te.sequence_parallel_gather", "te", ("fp8",), "fail",
+    # NVFP4's local shard is te.nvfp4.quantize_16's: TE quantizes it before the gather.
+    Rule("te.fp8_block.sequence_parallel_gather", "te", ("fp8",), "fail",
          "FP8 block, sequence parallel: the column-parallel input is quantized on its local "
          "T/tensor rows before the all-gather, which must be whole 128-row blocks",
          "TE up to 2.13 asserts 'All-gather requires quantizable tensor'; from 2.14 it "

@@ -33,7 +33,7 @@ def in_proj(n: int, fmt: str = "nvfp4", k: int = 5120) -> Linear:
 
 def test_every_rule_cites_its_source_and_has_a_test():
     tested = {"te.nvfp4.quantize_16", "te.nvfp4.cast_32", "te.nvfp4.rht_fusion",
-              "te.sequence_parallel_gather", "te.fp8.exec_dims", "te.fp8_block.gemm_dims",
+              "te.fp8_block.sequence_parallel_gather", "te.fp8.exec_dims", "te.fp8_block.gemm_dims",
               "emulated.nvfp4.block_16", "emulated.mxfp4.block_32"}
     assert {r.id for r in RULES} == tested
     for rule in (*RULES, *KNOWN_BAD):
@@ -83,8 +83,9 @@ def test_te_sequence_parallel_quantizes_the_local_shard_of_a_column_parallel_inp
     """With sequence parallel TE quantizes a column-parallel input on its T/tensor rows, row-wise
     and column-wise, before the all-gather (v2.19 module/linear.py:378-398): NVFP4 raises 'First
     dim for NVFP4 must be divisible by 16' there (quantizer.cpp:1982-1983), and the cast and RHT
-    kernels are chosen by the local rows. FP8 block: TE <= 2.13 asserts (v2.9 utils.py:449-457),
-    later releases gather a dequantized copy (v2.19 distributed.py:1133-1140); refused either way."""
+    kernels are chosen by the local rows; so for a row-parallel dY whose shard is quantizable.
+    FP8 block: TE <= 2.13 asserts (v2.9 utils.py:449-457), later releases gather a dequantized
+    copy (v2.19 distributed.py:1133-1140); refused either way."""
     column = in_proj(2848)
     sp = {"tensor": 8, "sequence_parallel": True}
     assert verdicts(column, tokens=8 * 24, **sp)["fprop"] == "fail"  # 24 local rows
@@ -98,13 +99,21 @@ def test_te_sequence_parallel_quantizes_the_local_shard_of_a_column_parallel_inp
     assert reasons(aligned, tokens=8 * 32, **sp)["wgrad"] == ["te.nvfp4.rht_fusion"]
     assert verdicts(aligned, tokens=8 * 32, tensor=8)["wgrad"] == "ok"  # no SP: 256 rows
     assert verdicts(aligned, tokens=8 * 64, **sp)["wgrad"] == "ok"
-    # a row-parallel linear's input is not gathered; its dY is, in BF16 where it must be
+    # A row-parallel linear's input is not gathered. Its dY is: quantized on the local shard
+    # where that is quantizable (base.py:1745-1750 -> distributed.py:1404-1406), else gathered in
+    # BF16 and quantized whole (:1386-1402).
     row = Linear("layers.2.mixer.out_proj", "nvfp4", 1280, 5120, parallel="row")
-    assert verdicts(row, tokens=8 * 24, **sp)["fprop"] != "fail"
+    assert verdicts(row, tokens=8 * 24, **sp) == {g: "ok" for g in ("fprop", "dgrad", "wgrad")}
+    assert verdicts(row, tokens=8 * 32, **sp)["wgrad"] == "slower"  # 32 local rows: RHT % 64
+    assert reasons(row, tokens=8 * 32, **sp)["wgrad"] == ["te.nvfp4.rht_fusion"]
+    assert verdicts(row, tokens=8 * 32, tensor=8)["wgrad"] == "ok"  # no SP: 256 rows
+    assert reasons(row, tokens=8 * 48, **sp)["dgrad"] == ["te.nvfp4.cast_32"]  # 48 local rows
     fp8 = in_proj(2848, "fp8")
-    assert reasons(fp8, tokens=8 * 64, **sp)["fprop"] == ["te.sequence_parallel_gather"]
+    assert reasons(fp8, tokens=8 * 64, **sp)["fprop"] == ["te.fp8_block.sequence_parallel_gather"]
     assert verdicts(fp8, tokens=8 * 64, **sp)["fprop"] == "fail"
     assert verdicts(fp8, tokens=8 * 128, **sp)["fprop"] == "ok"
+    # K = 5184 (not whole 128-blocks) with whole row blocks: the round trip keeps the values
+    assert verdicts(in_proj(2848, "fp8", k=5184), tokens=8 * 128, **sp)["fprop"] == "ok"
 
 
 # -- TE FP8 block scaling --------------------------------------------------------------------------
