@@ -187,7 +187,9 @@ def vllm_limits(cfg: ModelConfig, formats: Mapping[str, str]) -> list[str]:
     re-targets its sharding loader to the parameters named `weight`, `weight_scale` and
     `input_scale` only (model_executor/layers/mamba/mamba_mixer2.py:320-323, 384-390,
     456-467): compressed-tensors' `weight_packed` and ModelOpt's 0-d `input_scale` of an NVFP4
-    in_proj then fail to load at TP > 1. The shipped models have 2 and 8 groups."""
+    in_proj then fail to load at TP > 1. (Any other group count must be a multiple of vLLM's TP,
+    :320-323, whatever the precision: the demo's 2 groups serve at TP <= 2, the 12B's 8 at
+    TP <= 8.)"""
     nvfp4_in_proj = any(fmt == "nvfp4" and key.endswith(".mixer.in_proj")
                         for key, fmt in formats.items())
     if cfg.mamba_num_groups == 1 and nvfp4_in_proj:

@@ -349,10 +349,26 @@ def test_one_mamba_group_warns_that_vllm_serves_the_nvfp4_in_proj_at_tp1_only():
     assert formats["layers.3.mixer.in_proj"] == "nvfp4"
     [limit] = hf_nvfp4.vllm_limits(one_group, formats)
     assert "mamba_num_groups=1" in limit and "tensor parallel size 1" in limit
-    assert hf_nvfp4.vllm_limits(TINY, nvfp4_linears(precision())) == []  # 2 groups: TP > 1 loads
+    assert hf_nvfp4.vllm_limits(TINY, nvfp4_linears(precision())) == []  # 2: no in_proj limit
     in_proj_bf16 = precision_policy(one_group, dataclasses.replace(
         precision(), overrides={OVERRIDE: "bf16", "*.mixer.in_proj": "bf16"})).linear_formats()
     assert hf_nvfp4.vllm_limits(one_group, in_proj_bf16) == []
+
+
+def test_the_export_warns_each_vllm_limit_of_the_run(tmp_path, monkeypatch, tiny_tokenizer,
+                                                    trained, caplog):
+    """The command prints what vllm_limits finds for the run it exports (stated here: the tiny
+    model has two groups, no limit of its own)."""
+    weights, amax = trained
+    run = write_run(tmp_path, tiny_tokenizer, weights, amax, precision(), monkeypatch)
+    seen = []
+    monkeypatch.setattr(hf_nvfp4, "vllm_limits", lambda cfg, formats: seen.append(
+        (cfg.mamba_num_groups, formats["layers.3.mixer.in_proj"])) or ["a stated limit"])
+    with caplog.at_level("WARNING", logger="nvfp4_pretrain"):
+        assert hf_export.main([str(run), "--output", str(tmp_path / "out"), "--weights",
+                               "nvfp4"]) == 0
+    assert seen == [(2, "nvfp4")]
+    assert "warning: a stated limit" in caplog.text
 
 
 def test_refusals_are_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys,
