@@ -2,9 +2,10 @@
 
 - TE spec + TE GEMMs: Transformer Engine runs the precision's recipe on this GPU (TE's own
   check), and the mamba_ssm package imports (megatron's MambaMixer, which the TE spec uses,
-  raises ImportError without it, mc 0.16.1 ssm/mamba_mixer.py:173-176). With causal_conv1d the
-  mixer takes megatron's memory-efficient fused path (`mamba_mem_eff_path`); without it the
-  non-fused one, with PyTorch's conv1d (ssm/mamba_mixer.py:801-802 in 0.16.1, :913 in 0.19.0).
+  raises ImportError without it, mc 0.16.1 ssm/mamba_mixer.py:173-176). With a causal_conv1d
+  that mamba_ssm's fused kernel can call the mixer takes megatron's memory-efficient fused path
+  (`mamba_mem_eff_path`, `fused_conv1d_usable`); otherwise the non-fused one, with causal_conv1d_fn
+  or PyTorch's conv1d (ssm/mamba_mixer.py:801-810 in 0.16.1, :913 in 0.19.0).
 - Otherwise the portable spec, GEMMs emulated by nvfp4_recipe; on CUDA its Mamba mixer still uses
   each mamba_ssm / causal_conv1d kernel that loads (model/mamba_mixer.py), mamba_ssm's Triton
   kernels even where the package itself does not import (compat.mamba_ssm_triton_kernels).
@@ -15,6 +16,7 @@ ValueError that names the key and the reason, and `auto` never raises.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,10 +39,17 @@ class Machine:
     # mamba_ssm's Triton SSD scan and gated RMSNorm load (with or without the package's
     # __init__, compat item 8); None: as mamba_ssm
     mamba_triton: Optional[bool] = None
+    # mamba_ssm's fused conv1d + scan can call this causal_conv1d (fused_conv1d_usable); None: as
+    # causal_conv1d
+    fused_conv1d: Optional[bool] = None
 
     @property
     def mamba_kernels(self) -> bool:
         return self.mamba_ssm if self.mamba_triton is None else self.mamba_triton
+
+    @property
+    def mamba_fused_conv1d(self) -> bool:
+        return self.causal_conv1d if self.fused_conv1d is None else self.fused_conv1d
 
 
 @dataclass(frozen=True)
@@ -97,8 +106,13 @@ def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine
         return BackendChoice("portable", "emulated", f"portable spec: {problem}{kernels}")
     major, minor = machine.capability
     why = asked_te[0] if asked_te else f"compute capability {major}.{minor}"
-    if mamba_mem_eff_path("te", machine.causal_conv1d):
+    if mamba_mem_eff_path("te", machine.mamba_fused_conv1d):
         mixer = "megatron's fused conv1d + SSD scan (use_mamba_mem_eff_path, causal_conv1d)"
+    elif machine.causal_conv1d:
+        mixer = ("megatron's non-fused path: mamba_ssm SSD scan, causal_conv1d (this "
+                 "causal_conv1d does not fit mamba_ssm's fused kernel: mamba-ssm >= 2.2.5 needs "
+                 "causal-conv1d >= 1.5.1, older mamba-ssm older causal-conv1d; so no "
+                 "use_mamba_mem_eff_path)")
     else:
         mixer = ("megatron's non-fused path: mamba_ssm SSD scan, PyTorch conv1d (no causal_conv1d, "
                  "so no use_mamba_mem_eff_path)")
@@ -106,19 +120,38 @@ def select_backend(precision: PrecisionConfig, model_spec: str, machine: Machine
                                      f"Mamba mixer: {mixer}")
 
 
-def mamba_mem_eff_path(spec: str, causal_conv1d: bool) -> bool:
+def mamba_mem_eff_path(spec: str, fused_conv1d: bool) -> bool:
     """megatron's `use_mamba_mem_eff_path` for a model of `spec` ("te" | "portable").
 
-    On: the TE spec with causal_conv1d. Its mixer then trains with `mamba_split_conv1d_scan_combined`
+    On: the TE spec where mamba_ssm's fused kernel can call causal_conv1d
+    (`fused_conv1d_usable`). Its mixer then trains with `mamba_split_conv1d_scan_combined`
     (mc core_v0.19.0 ssm/mamba_mixer.py:502-511, 733-769; 0.16.1 :436, :630-690): conv1d, scan and
     gate fused, fewer activations kept for the backward; the path megatron trains and tests, while
     it logs the other as "not currently using or functionally testing ... for training"
     (core_v0.19.0 :307-315, 0.16.1 :282-290). The fused kernel calls causal_conv1d's compiled
-    functions (mamba v2.3.2.post1 ops/triton/ssd_combined.py:840, 914, 963; imported guarded at
-    :21-28), so without causal_conv1d it would fail at the first forward: off, the non-fused path.
-    Off on the portable spec: its own mixer (model/mamba_mixer.py) has no such path.
+    functions (mamba v2.3.2.post1 ops/triton/ssd_combined.py:840, 914, 963, through
+    causal_conv1d.cpp_functions imported guarded at :21-28), so without them it would fail at the
+    first forward: off, the non-fused path. Off on the portable spec: its own mixer
+    (model/mamba_mixer.py) has no such path.
     """
-    return spec == "te" and causal_conv1d
+    return spec == "te" and fused_conv1d
+
+
+def fused_conv1d_usable(wrapped: Optional[bool], causal_conv1d_version: Optional[str]) -> bool:
+    """Whether mamba_ssm's fused conv1d + scan can call the installed causal_conv1d.
+
+    `wrapped`: mamba-ssm >= 2.2.5 imports causal_conv1d's Python wrappers,
+    `causal_conv1d.cpp_functions` (from causal-conv1d 1.5.1), and leaves None behind where that
+    fails (v2.3.2.post1 ops/triton/ssd_combined.py:21-28): True or False. None: mamba-ssm <= 2.2.4,
+    which calls the compiled `causal_conv1d_cuda` itself with 7 and 10 arguments (v2.2.4
+    ssd_combined.py:23, 779, 853, 903), the binding of causal-conv1d before 1.5.1; from 1.5.1 it
+    takes 8 and 12 (v1.7.0 csrc/causal_conv1d.cpp:150-157, 261-272): a TypeError at the first
+    forward.
+    """
+    if wrapped is not None:
+        return wrapped
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", causal_conv1d_version or "")
+    return match is not None and tuple(map(int, match.groups())) < (1, 5, 1)
 
 
 def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
@@ -126,14 +159,18 @@ def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
     run; never raises)."""
     from nvfp4_recipe.megatron.te_mapping import probe_te_support
 
-    from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels, mamba_ssm_package_imports
+    from .mamba_mixer import (KERNEL_PACKAGES, fused_conv1d_probe, mamba_kernels,
+                              mamba_ssm_package_imports)
 
     capability = hardware.cuda_capability
     packages = {KERNEL_PACKAGES[name] for name in mamba_kernels(hardware.cuda)}
+    mamba_ssm = hardware.cuda and mamba_ssm_package_imports()
+    causal_conv1d = "causal_conv1d" in packages
     return Machine(capability=capability, te_recipe=probe_te_support(precision, capability),
-                   mamba_ssm=hardware.cuda and mamba_ssm_package_imports(),
-                   causal_conv1d="causal_conv1d" in packages,
-                   mamba_triton="mamba_ssm" in packages)
+                   mamba_ssm=mamba_ssm, causal_conv1d=causal_conv1d,
+                   mamba_triton="mamba_ssm" in packages,
+                   fused_conv1d=(mamba_ssm and causal_conv1d
+                                 and fused_conv1d_usable(*fused_conv1d_probe())))
 
 
 def choose_backend(precision: PrecisionConfig, model_spec: str = "auto",

@@ -161,9 +161,9 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
 
     `cuda`: the run's device is a GPU (`Hardware.cuda`): the weights are initialised there
     (use_cpu_initialization); the TE spec's Mamba mixer takes megatron's fused path where
-    causal_conv1d is there (backend.mamba_mem_eff_path). `main_grads`: the model will train
-    under megatron's DDP (FP32 main grads), so Wgrad may accumulate into them
-    (gradient_accumulation_fusion). The defaults build what CPU runs and tests always built.
+    mamba_ssm's fused kernel can call causal_conv1d (backend.mamba_mem_eff_path). `main_grads`:
+    the model will train under megatron's DDP (FP32 main grads), so Wgrad may accumulate into
+    them (gradient_accumulation_fusion). The defaults build what CPU runs and tests always built.
     `cfg` checked its own fields when it was made (ModelConfig.__post_init__)."""
     policy = precision_policy(cfg, precision)
     if backend is None:
@@ -204,7 +204,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     )
     fusion, fusion_why = gradient_accumulation_fusion(backend, main_grads,
                                                       main_grads and apex_fused_wgrad_available())
-    mem_eff = mamba_mem_eff_path(spec_family, _causal_conv1d(backend))
+    mem_eff = mamba_mem_eff_path(spec_family, _fused_conv1d(backend))
     config = transformer_config(cfg, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, initialize=initialize,
                                 params_dtype=params_dtype, recompute=recompute,
@@ -230,7 +230,8 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
         compat.te_fuse_wgrad_accumulation(module)
     if spec_family == "te":
         scan = ("megatron's fused conv1d + SSD scan (use_mamba_mem_eff_path)" if mem_eff else
-                "megatron's non-fused path (no causal_conv1d)")
+                "megatron's non-fused path (no causal_conv1d that mamba_ssm's fused kernel can "
+                "call)")
     else:
         from .mamba_mixer import mamba_kernels_how
 
@@ -241,10 +242,13 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                       spec=spec_family, paths=paths)
 
 
-def _causal_conv1d(backend: str) -> bool:
-    """Whether causal_conv1d imports, asked only for the TE spec (a CUDA run)."""
+def _fused_conv1d(backend: str) -> bool:
+    """Whether mamba_ssm's fused conv1d + scan can call causal_conv1d, asked only for the TE spec
+    (a CUDA run, where mamba_ssm imports)."""
     if backend != "te":
         return False
-    from .mamba_mixer import mamba_kernels
+    from .backend import fused_conv1d_usable
+    from .mamba_mixer import fused_conv1d_probe, mamba_kernels
 
-    return "causal_conv1d_fn" in mamba_kernels(cuda=True)
+    return ("causal_conv1d_fn" in mamba_kernels(cuda=True)
+            and fused_conv1d_usable(*fused_conv1d_probe()))

@@ -105,6 +105,26 @@ def _load_kernels() -> dict:
     return _KERNELS
 
 
+def fused_conv1d_probe() -> tuple[Optional[bool], Optional[str]]:
+    """(whether mamba_ssm's fused kernel took causal_conv1d's wrappers, None where its release
+    calls the compiled module itself; the installed causal-conv1d version): the values of
+    backend.fused_conv1d_usable. Imports the mamba_ssm package: asked only where it imports."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("causal-conv1d")
+    except metadata.PackageNotFoundError:
+        version = None
+    try:
+        from mamba_ssm.ops.triton import ssd_combined
+    except Exception:  # ImportError, or a broken CUDA build
+        return False, version
+    if hasattr(ssd_combined, "causal_conv1d_fwd_function"):  # mamba-ssm >= 2.2.5
+        return ssd_combined.causal_conv1d_fwd_function is not None, version
+    return (None if getattr(ssd_combined, "causal_conv1d_cuda", None) is not None else False,
+            version)
+
+
 def mamba_ssm_package_imports() -> bool:
     """Whether the mamba_ssm package itself imports (megatron's mixer on the TE spec needs it)."""
     _load_kernels()

@@ -167,10 +167,57 @@ def test_mamba_ssm_without_its_cuda_extension_gives_the_portable_mixer_its_trito
                       "mamba_ssm SSD scan and gated norm, PyTorch conv1d")
 
 
-@pytest.mark.parametrize("spec,causal_conv1d,expected", [
+@pytest.mark.parametrize("spec,fused_conv1d,expected", [
     ("te", True, True), ("te", False, False), ("portable", True, False), ("portable", False, False)])
-def test_mamba_mem_eff_path(spec, causal_conv1d, expected):
+def test_mamba_mem_eff_path(spec, fused_conv1d, expected):
     """megatron's fused Mamba path on the TE spec where it can run (needs causal_conv1d)."""
     from model.backend import mamba_mem_eff_path
 
-    assert mamba_mem_eff_path(spec, causal_conv1d) is expected
+    assert mamba_mem_eff_path(spec, fused_conv1d) is expected
+
+
+@pytest.mark.parametrize("wrapped,version,usable", [
+    (True, "1.7.0", True),  # mamba-ssm >= 2.2.5 took causal_conv1d.cpp_functions
+    (False, "1.4.0", False),  # ... which causal-conv1d < 1.5.1 lacks: mamba left None behind
+    (None, "1.4.0", True),  # mamba-ssm <= 2.2.4 calls the 7/10-argument binding itself
+    (None, "1.5.0.post8", True),
+    (None, "1.5.1", False),  # 8/12 arguments from 1.5.1: a TypeError at the first forward
+    (None, "1.7.0", False),
+    (None, None, False),  # version unknown: not risked
+])
+def test_the_fused_conv1d_needs_a_matching_mamba_ssm_and_causal_conv1d(wrapped, version, usable):
+    """mamba v2.3.2.post1 ops/triton/ssd_combined.py:21-28 vs v2.2.4 :23, 779, 853, 903; the
+    binding: causal-conv1d 1.7.0 csrc/causal_conv1d.cpp:150-157, 261-272."""
+    from model.backend import fused_conv1d_usable
+
+    assert fused_conv1d_usable(wrapped, version) is usable
+
+
+def test_a_mismatched_causal_conv1d_takes_the_non_fused_path_with_it():
+    """Both packages import, the fused kernel cannot call this causal_conv1d: the TE spec still
+    runs, megatron's non-fused mixer (which calls causal_conv1d_fn, whose API is unchanged)."""
+    machine = Machine((10, 0), (True, ""), mamba_ssm=True, causal_conv1d=True, fused_conv1d=False)
+    choice = select_backend(NVFP4, "auto", machine)
+    assert (choice.spec, choice.gemm_backend) == ("te", "te")
+    assert "megatron's non-fused path: mamba_ssm SSD scan, causal_conv1d (this causal_conv1d " \
+           "does not fit mamba_ssm's fused kernel" in choice.reason
+
+
+def test_the_probe_reads_which_causal_conv1d_mamba_ssm_took(monkeypatch):
+    """fused_conv1d_probe reads mamba_ssm's own module: the wrappers, None, or the raw binding."""
+    import model.mamba_mixer as mm
+
+    ssd = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
+    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", ssd)
+    monkeypatch.setattr(sys.modules["mamba_ssm.ops.triton"], "ssd_combined", ssd, raising=False)
+    ssd.causal_conv1d_fwd_function = None  # >= 2.2.5, without causal_conv1d.cpp_functions
+    assert mm.fused_conv1d_probe()[0] is False
+    ssd.causal_conv1d_fwd_function = object()
+    assert mm.fused_conv1d_probe()[0] is True
+    del ssd.causal_conv1d_fwd_function
+    ssd.causal_conv1d_cuda = object()  # <= 2.2.4
+    assert mm.fused_conv1d_probe()[0] is None
+    ssd.causal_conv1d_cuda = None
+    assert mm.fused_conv1d_probe()[0] is False
