@@ -246,7 +246,7 @@ def vet_extra_state(model_state: Any, where: Path, key: str = "") -> None:
     per-step recipes used here store a recipe dataclass and plain values there. Each such
     tensor is unpickled here first with only TE's recipe classes allowed. From TE 2.18 these
     recipes write an empty extra state and TE no longer unpickles theirs (PR #3123; v2.19
-    module/base.py:1392, 1433, _extra_state.py:55-64, 98-187), so this matters for checkpoints
+    pytorch/module/base.py:1392, 1433, pytorch/_extra_state.py:55-64, 98-187), so this matters for checkpoints
     written by TE 2.8-2.17, which later releases still resume.
     """
     if isinstance(model_state, dict):
