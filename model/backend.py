@@ -154,13 +154,21 @@ def fused_conv1d_usable(wrapped: Optional[bool], causal_conv1d_version: Optional
     return match is not None and tuple(map(int, match.groups())) < (1, 5, 1)
 
 
+def fused_conv1d_loads() -> bool:
+    """On a CUDA run where mamba_ssm imports: causal_conv1d imports, and mamba_ssm's fused kernel
+    can call it (`fused_conv1d_usable`). The backend choice and build_model both ask this."""
+    from .mamba_mixer import fused_conv1d_probe, mamba_kernels
+
+    return ("causal_conv1d_fn" in mamba_kernels(cuda=True)
+            and fused_conv1d_usable(*fused_conv1d_probe()))
+
+
 def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
     """What the run's device offers `select_backend` (imports TE and the Mamba kernels on a CUDA
     run; never raises)."""
     from nvfp4_recipe.megatron.te_mapping import probe_te_support
 
-    from .mamba_mixer import (KERNEL_PACKAGES, fused_conv1d_probe, mamba_kernels,
-                              mamba_ssm_package_imports)
+    from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels, mamba_ssm_package_imports
 
     capability = hardware.cuda_capability
     packages = {KERNEL_PACKAGES[name] for name in mamba_kernels(hardware.cuda)}
@@ -169,8 +177,7 @@ def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
     return Machine(capability=capability, te_recipe=probe_te_support(precision, capability),
                    mamba_ssm=mamba_ssm, causal_conv1d=causal_conv1d,
                    mamba_triton="mamba_ssm" in packages,
-                   fused_conv1d=(mamba_ssm and causal_conv1d
-                                 and fused_conv1d_usable(*fused_conv1d_probe())))
+                   fused_conv1d=mamba_ssm and fused_conv1d_loads())
 
 
 def choose_backend(precision: PrecisionConfig, model_spec: str = "auto",

@@ -245,10 +245,6 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
 def _fused_conv1d(backend: str) -> bool:
     """Whether mamba_ssm's fused conv1d + scan can call causal_conv1d, asked only for the TE spec
     (a CUDA run, where mamba_ssm imports)."""
-    if backend != "te":
-        return False
-    from .backend import fused_conv1d_usable
-    from .mamba_mixer import fused_conv1d_probe, mamba_kernels
+    from .backend import fused_conv1d_loads
 
-    return ("causal_conv1d_fn" in mamba_kernels(cuda=True)
-            and fused_conv1d_usable(*fused_conv1d_probe()))
+    return backend == "te" and fused_conv1d_loads()
