@@ -1,6 +1,6 @@
 """The project's exit codes and the errors that carry them: the one place both are defined.
 
-Every command (`train.py`, `data.prepare`, `data.check`, `training.hf_export`,
+Every command (`train.py`, `data.prepare` and its `--check`, `training.hf_export`,
 `training.evaluate`, `studies.ablations`, `launch/slurm.sbatch`) exits with one of `ExitCode`.
 A refusal the project foresaw is a `ProjectError` (or a subclass) carrying its code: the entry
 point prints its one-line message and exits with that code. Any other exception is a bug: it

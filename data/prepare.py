@@ -630,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="check the shards of each prefix given as input: all present, complete, same tokenizer; "
                         "print tokens per prefix")
-    p.add_argument("--strict", action="store_true", help="fail on the first bad record (exit 1)")
+    p.add_argument("--strict", action="store_true", help=f"fail on the first bad record (exit {int(ExitCode.BAD_INPUT)})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (and tokenizer.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
