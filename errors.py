@@ -30,6 +30,12 @@ class ExitCode(IntEnum):
     # written (read-only, no permission, disk full), or a file there is a link or another user's
     UNWRITABLE = 8
     WANDB_UNAVAILABLE = 9  # logger.mode=online without an API key or an answering server
+    # a developer check measured what it checks for and found it wrong (model.ssd_check beyond its
+    # tolerance, launch/gpu_path_check.py, a failed run of benchmarks.memory)
+    CHECK_FAILED = 10
+    # a check that cannot run on this machine (no CUDA, no mamba_ssm): it prints "skipped: <why>";
+    # launch/gpu_check.sh reports the part skipped, not failed (77: automake's skip status)
+    SKIPPED = 77
     PREEMPTED = 75  # SIGTERM/SIGUSR1/first SIGINT: checkpointed, resumable (EX_TEMPFAIL)
     INTERRUPTED = 130  # a second SIGINT (Ctrl-C), or data.prepare's first: stopped at once
     TERMINATED = 143  # data.prepare on SIGTERM: stopped, its partial output removed

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from errors import ExitCode
 from model.memory_model import BYTES_ACTIVATION, GIB, activation_elements_per_token, stage_activation_bytes
 from training.plan import PlanConfig, build_plan, recompute_config_of
 
@@ -392,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not args.measure:
         parser.print_help()
-        return 2
+        return ExitCode.CONFIG
     settings = args.recompute.split(",")
     for setting in settings:
         parse_recompute(setting)  # a bad setting fails here, not in a subprocess
@@ -406,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print(summary_table(results))
-        return 1 if any("error" in r for r in results) else 0
+        return ExitCode.CHECK_FAILED if any("error" in r for r in results) else ExitCode.OK
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.memory", *argv],
@@ -418,7 +419,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

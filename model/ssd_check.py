@@ -2,7 +2,8 @@
 
 `python -m model.ssd_check [--json PATH] [--autotune]` runs the comparison on CUDA (part
 `ssd_triton` of launch/gpu_check.sh); tests/nvfp4_recipe/test_cuda_numerics.py asserts the same numbers.
-Exit status: 0 within tolerance, 1 beyond it (or an error), 77 skipped (the reason is printed).
+Exit status (errors.ExitCode): 0 within tolerance, 10 beyond it, 77 skipped (the reason is
+printed), 1 an error.
 
 What is compared: ``mamba_chunk_scan_combined`` called exactly as model/mamba_mixer.py calls it
 (D, dt_bias, dt_softplus=True, no z) and ``model.ssd.ssd_chunk_scan`` on the same random inputs,
@@ -49,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 import compat
+from errors import ExitCode
 from model.device import cuda_present
 
-SKIP_EXIT = 77  # launch/gpu_check.sh reports this exit status as "skipped" with the printed reason
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}  # relative L2; reasons in the docstring
 GRADS = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 
@@ -205,7 +206,7 @@ def main(argv: Optional[list] = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"skipped: {how}")
-        return SKIP_EXIT
+        return ExitCode.SKIPPED
     print(f"mamba_chunk_scan_combined: {how}")
     print(f"{'case':<30} {'dtype':<9} {'tol':>7}  worst Triton error (PyTorch scan's)  first call")
     failed = False
@@ -227,7 +228,7 @@ def main(argv: Optional[list] = None) -> int:
             results["results"].append(r)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    return 1 if failed else 0
+    return ExitCode.CHECK_FAILED if failed else ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from benchmarks.machine import machine_summary
+from errors import ExitCode
 from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,9 +151,9 @@ def main(argv=None) -> int:
                 print(f"{f.relative_to(REPO)}: torch {g['torch']}, {len(g['losses'])} steps, "
                       f"final loss {g['losses'][-1]:.6f}, generated {g['generated']}")
         print("refusing to overwrite the golden files without --regenerate", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     regenerate()
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

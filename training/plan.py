@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from errors import ExitCode
 from field_ranges import above, at_least, check_fields, within
 from model.flops import flops_per_token_terms, gemm_weights
 from model.memory_model import (
@@ -598,6 +599,6 @@ def dry_run(cfg, ctx) -> int:
         print(f"wrote {path}")
         if refusal:  # the plan is written (it says why); the exit code says the run would refuse
             print("error: the preflight would refuse this run (lines 'preflight: would fail' "
-                  "above); exit code 2")
-    return 2 if refusal else 0
+                  f"above); exit code {int(ExitCode.CONFIG)}")
+    return ExitCode.CONFIG if refusal else ExitCode.OK
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from errors import ExitCode
 from model import ssd_check
 from model.ssd import ssd_chunk_scan
 
@@ -114,7 +115,7 @@ def test_compare_accepts_the_scan_and_flags_wrong_ones():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip")
 def test_ssd_check_cli_skips_without_cuda(tmp_path, capsys):
-    assert ssd_check.main(["--json", str(tmp_path / "r.json")]) == ssd_check.SKIP_EXIT
+    assert ssd_check.main(["--json", str(tmp_path / "r.json")]) == ExitCode.SKIPPED
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("skipped: needs a CUDA device")
     assert json.loads((tmp_path / "r.json").read_text())["loaded"] is False
 
