@@ -1,7 +1,7 @@
 """Evaluate any checkpoint of a run on lm-eval tasks, with the model as training builds it.
 
     python -m training.evaluate RUN_DIR [--step N] --tasks demo_arith_choice,... [--limit N]
-        [--batch-size B] [--output results.json [--log-samples]] [--tensor T --pipeline P
+        [--batch-size B] [--output results.json [--log-samples] [--overwrite]] [--tensor T --pipeline P
         [--first-stage-layers F] [--last-stage-layers L]]
 
 Reads the run's config.yaml (model, precision, tokenizer) and its newest intact checkpoint (or
@@ -15,7 +15,8 @@ per-sample records (each request's log-likelihood).
 Tasks: names from data/eval_tasks/ (the shipped, offline demo tasks), lm-eval's own catalogue,
 or paths to task YAMLs. Offline by design: a task whose dataset is not local or cached is
 refused before anything runs. Exit codes (errors.ExitCode): 2 a bad argument (run directory,
-step, an unknown task, a layout that does not fit, --output), 3 a task's dataset is not
+step, an unknown task, a layout that does not fit, an --output inside the run directory, through
+a link, or existing without --overwrite), 3 a task's dataset is not
 available offline (or lm-eval is not installed) or the tokenizer is missing, 6 the checkpoint is
 torn, corrupt or refused, 8 --output cannot be written.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from errors import ConfigError, ExitCode, MissingError, ProjectError
+from training.run_dir import check_output_file, write_output_file
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -44,7 +46,9 @@ def parse_args(argv):
                    help="comma-separated lm-eval task names or task YAML paths")
     p.add_argument("--limit", type=int, default=None, help="samples per task (default: all)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--output", type=Path, default=None,
+                   help="write the results as JSON (never inside RUN_DIR or through a link)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--tensor", type=int, default=1)
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--first-stage-layers", type=int, default=None,
@@ -78,6 +82,7 @@ def check_args(args) -> list[str]:
         out = args.output.expanduser()
         if out.is_dir():
             raise ConfigError(f"--output={out}: is a directory; give a file name")
+        check_output_file(out, args.run_dir, overwrite=args.overwrite)
         if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
             raise ProjectError(f"--output={out}: its directory does not exist or cannot be "
                                "written", ExitCode.UNWRITABLE)
@@ -212,11 +217,13 @@ def run(args, tasks, manager, ctx) -> int:
             if args.log_samples:
                 record["samples"] = results.get("samples", {})
             try:
-                args.output.expanduser().write_text(json.dumps(record, indent=2, default=str))
+                write_output_file(args.output.expanduser(),
+                                  json.dumps(record, indent=2, default=str),
+                                  overwrite=args.overwrite)
             except OSError as exc:
                 raise ProjectError(f"--output={args.output}: {exc.strerror or exc}",
                                    ExitCode.UNWRITABLE) from None
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -120,6 +120,53 @@ def read_run_file(path) -> str:
         return f.read()
 
 
+class OutputRefused(ProjectError):
+    """A path the user named for a command's output that the command must not write (exit 2)."""
+
+    code = ExitCode.CONFIG
+
+
+def check_output_file(output: Path, run_dir: Path, *, overwrite: bool, flag: str = "--output") -> None:
+    """The rule for a file a command writes at a path the user names, beside a run it reads:
+    never the run directory, inside it or holding it (a typo there would replace the run's own
+    checkpoint manifest or metrics); never through a link; an existing file replaced only with
+    --overwrite. OutputRefused (exit 2) otherwise, before anything is written."""
+    real, run = Path(os.path.realpath(output)), Path(os.path.realpath(run_dir))
+    if real == run or run in real.parents or real in run.parents:
+        raise OutputRefused(f"{flag}={output}: lies in or over the run directory {run_dir} that "
+                            "this command reads; write it outside the run")
+    if os.path.islink(output):
+        raise OutputRefused(f"{flag}={output}: {_link_problem(output)}; an output is never "
+                            "written through a link")
+    if os.path.lexists(output):
+        if not os.path.isfile(output):
+            raise OutputRefused(f"{flag}={output}: exists and is not a regular file")
+        if not overwrite:
+            raise OutputRefused(f"{flag}={output}: exists; pass --overwrite to replace it")
+
+
+def write_output_file(output: Path, text: str, *, overwrite: bool) -> None:
+    """Write `text` to `output` through a temporary beside it: a reader never sees a half-written
+    file, and a link planted at `output` meanwhile is replaced, never followed. Without
+    `overwrite` the temporary is linked into place, so a file that appeared there since
+    check_output_file is kept (OutputRefused)."""
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+        if overwrite:
+            os.replace(tmp, output)
+        else:
+            try:
+                os.link(tmp, output)
+            except FileExistsError:
+                raise OutputRefused(f"--output={output}: appeared while this command ran; kept "
+                                    "as it is (pass --overwrite to replace it)") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
 def holder() -> dict:
     """Who this process is, as written into the lock file."""
     info = {"host": socket.gethostname(), "pid": os.getpid(),
