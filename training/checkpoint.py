@@ -13,14 +13,16 @@ Layout of one checkpoint:
   rng_rank{r}.pt         each rank's RNG state (stochastic rounding draws from it)
   trainer.pt             the trainer's state_dict() (rank 0): its step, counters and W&B id, and
                          the state_dict() of its scheduler and data stream
-  manifest.json          every file's size and SHA-256 and the layout; written last
+  manifest.json          every file's size, SHA-256 and writer rank, and the layout; written last
 Model, optimizer and RNG are read from their objects and restored into them in place (the
 optimizer through megatron's sharded_state_dict protocol, which knows its own state's layout);
 the trainer's state goes in and comes back as its state_dict, for its load_state_dict.
 Each checkpoint is written into a hidden temporary directory and renamed into place only
-after every rank finished, so a crash leaves either a complete checkpoint or none. Loading
-verifies the manifest and falls back to the previous checkpoint if the latest is torn; when
-checkpoints exist and none is usable the run stops (NoUsableCheckpoint) instead of starting over.
+after every rank finished, so a crash leaves either a complete checkpoint or none. Each rank
+hashes the files it wrote, in parallel, and rank 0 gathers the digests into the manifest. Resuming
+verifies the manifest (each rank the files it wrote, rank 0 the shared ones, then one reduction)
+and falls back to the previous checkpoint if the latest is torn or corrupt; when checkpoints
+exist and none is usable the run stops (NoUsableCheckpoint) instead of starting over.
 A checkpoint is trusted under its own name only: the manifest's step must be the step the
 directory's name gives, and "newest" is the highest step, not the last name in sort order.
 Saving and loading run inside megatron's fully-parallel wrappers over the data-parallel group:
@@ -116,11 +118,77 @@ def _is_complete(path: Path) -> bool:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    with open(path, "rb") as f:  # file_digest reads into one buffer, outside the GIL
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# Threads per rank for hashing its own files: hashlib and file reads release the GIL, and a rank
+# writes megatron's writer thread_count files (2 by default, strategies/torch.py:602 in 0.16.1)
+# plus its RNG file; more threads than files would idle.
+HASH_THREADS = 4
+# The files a rank writes into a checkpoint, by name: torch DCP's `__<rank>_<n>.distcp` (megatron's
+# FileSystemWriterAsync prefixes `__{global rank}_` in prepare_decentralized_global_plan,
+# strategies/filesystem_async.py:472, and torch's coordinator plan `__{i}_` over the default group,
+# torch/distributed/checkpoint/filesystem.py:673; the file number follows, :132) and our
+# `rng_rank<rank>.pt`. Everything else (.metadata, common.pt, metadata.json, trainer.pt) is rank 0's.
+_RANK_FILE = re.compile(r"(?:^|/)[^/]*__(\d+)_\d+\.distcp$|(?:^|/)rng_rank(\d+)\.pt$")
+
+
+def writer_rank(name: str, world_size: int) -> int:
+    """The rank that wrote checkpoint file `name` (relative to the checkpoint) in a run of
+    `world_size` ranks, and so hashes it at save: the rank its name carries, else rank 0 (the
+    shared files, and any name that carries no rank of this run)."""
+    found = _RANK_FILE.search(name)
+    rank = int(next(g for g in found.groups() if g is not None)) if found else 0
+    return rank if rank < world_size else 0
+
+
+def verifying_rank(meta: dict, world_size: int) -> int:
+    """The rank that checks a manifest entry at resume: its writer, folded onto this run's ranks
+    (a run resumed at fewer ranks spreads the files over the ranks it has); entries of manifests
+    written before writers were recorded go to rank 0, which checked every file then."""
+    rank = meta.get("rank", 0)
+    return rank % world_size if isinstance(rank, int) and rank >= 0 else 0
+
+
+def _hash_files(root: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of these files under root, hashed on up to HASH_THREADS."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> tuple[str, dict]:
+        path = root / name
+        return name, {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+    if len(names) <= 1:
+        return dict(map(one, names))
+    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(names))) as pool:
+        return dict(pool.map(one, names))
+
+
+def _files_of(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _gather_on_main(value: Any, ctx: ParallelContext) -> Optional[list]:
+    """Every rank's `value` on rank 0 (in rank order), None elsewhere: small objects only."""
+    import torch.distributed as dist
+
+    if ctx.world_size == 1:
+        return [value]
+    box = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(value, box, dst=0)
+    return box
+
+
+def _any_rank(flag: bool, ctx: ParallelContext) -> bool:
+    """Whether `flag` holds on any rank (one all-reduce; every rank gets the answer)."""
+    import torch.distributed as dist
+
+    if ctx.world_size == 1:
+        return flag
+    box = torch.full((), float(flag), device=ctx.device)  # a fill, not a host-to-device copy
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item())
 
 
 def _broadcast_str(value: str, ctx: ParallelContext) -> str:
@@ -261,17 +329,34 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the writers wrap OS
         failure = _not_written(exc, final, tmp)      # errors (CheckpointException: a BaseException)
     _agree_or_raise(failure, ctx, final, tmp)
-    if ctx.is_main:
+    # Every rank hashes the files it wrote, all at once (at 12B the checkpoint is ~170 GB: one
+    # rank hashing it all would hold every other rank in the next collective); rank 0 gathers
+    # the digests into the manifest.
+    hashing = time.perf_counter()
+    try:
+        own = [n for n in _files_of(tmp) if writer_rank(n, ctx.world_size) == ctx.rank]
+        hashed = {name: {**meta, "rank": ctx.rank}
+                  for name, meta in _hash_files(tmp, own).items()}
+    except OSError as exc:
+        hashed, failure = {}, _not_written(exc, final, tmp)
+    log.debug(f"rank {ctx.rank}: hashed {len(hashed)} checkpoint files "
+              f"({sum(m['bytes'] for m in hashed.values()) / 2**20:.0f} MiB) in "
+              f"{time.perf_counter() - hashing:.1f} s")
+    reports = _gather_on_main((hashed, failure), ctx)
+    if ctx.is_main and failure is None:
+        failure = next((f for _, f in reports if f is not None), None)
+    if ctx.is_main and failure is None:
         try:
-            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            files = {name: meta for report, _ in reports for name, meta in report.items()}
+            # a file no rank claimed (one another node's listing did not show yet): rank 0's
+            unclaimed = [n for n in _files_of(tmp) if n not in files]
+            files.update({n: {**m, "rank": 0} for n, m in _hash_files(tmp, unclaimed).items()})
             manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
                         "pipeline": ctx.pipeline, "data_parallel": ctx.data,
                         "optimizer_format": optimizer_format,
                         "optimizer_layout": optimizer_layout, "spec": spec,
                         "skipped_since_previous": skipped_since_previous,
-                        "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size,
-                                                            "sha256": _sha256(p)}
-                                  for p in files}}
+                        "files": dict(sorted(files.items()))}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             if os.path.lexists(final):  # kept, out of the way, and said for what it is
                 set_aside(root, [final], _why_replaced(final))
@@ -363,13 +448,7 @@ def _not_written(exc: BaseException, final: Path, tmp: Path) -> str:
 def _agree_or_raise(failure: Optional[str], ctx: ParallelContext, final: Path, tmp: Path) -> None:
     """Every rank learns whether any rank failed (this is also the save's barrier); if one did,
     rank 0 removes the temporary and every rank raises CheckpointNotWritten."""
-    failed = failure is not None
-    if ctx.world_size > 1:
-        import torch.distributed as dist
-
-        flag = torch.tensor(float(failed), device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
+    failed = _any_rank(failure is not None, ctx)
     if not failed:
         return
     if ctx.is_main:
@@ -452,14 +531,19 @@ def set_aside_for_restart(root: Path, ctx: ParallelContext) -> Optional[Path]:
     return Path(moved) if moved else None
 
 
-def verify_checkpoint(path: Path) -> Optional[str]:
-    """None if the checkpoint is complete and intact, else what is wrong with it."""
+def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
+    """None if the checkpoint is complete and intact, else what is wrong with it.
+
+    One process checks everything. Of `world_size` ranks, each checks its share in parallel:
+    the files `verifying_rank` gives it (the ones it wrote, on the same layout); rank 0 also the
+    shared files and that the directory holds nothing the manifest does not list. Every rank
+    checks the manifest and the name, so a torn checkpoint is refused by all of them alike."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
         return "no manifest (the write never finished)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = {name: (int(meta["bytes"]), str(meta["sha256"]))
+        files = {name: (int(meta["bytes"]), str(meta["sha256"]), verifying_rank(meta, world_size))
                  for name, meta in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"unreadable manifest ({type(exc).__name__}: {exc})"
@@ -472,18 +556,24 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         return (f"its manifest says step {saved} but its name {path.name} says step {named} "
                 f"(renamed?); a checkpoint is used only under its own step's name "
                 f"({step_dir_name(saved)})")
-    for name, (size, sha256) in files.items():
+    mine = {name: (size, sha) for name, (size, sha, owner) in files.items() if owner == rank}
+    for name, (size, _) in mine.items():
         file = path / name
         if not file.exists():
             return f"missing {name}"
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, expected {size}"
-        if _sha256(file) != sha256:
+    try:
+        hashed = _hash_files(path, list(mine))
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    for name, (_, sha256) in mine.items():
+        if hashed[name]["sha256"] != sha256:
             return f"{name} does not match its checksum"
-    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
-    unlisted = sorted(present - set(files) - {MANIFEST})
-    if unlisted:
-        return f"files the manifest does not list: {', '.join(unlisted[:3])}"
+    if rank == 0:
+        unlisted = sorted(set(_files_of(path)) - set(files) - {MANIFEST})
+        if unlisted:
+            return f"files the manifest does not list: {', '.join(unlisted[:3])}"
     return None
 
 
@@ -500,27 +590,33 @@ def latest_valid_checkpoint(root: Path) -> Optional[Path]:
 
 
 def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
-    """Rank 0 picks (and verifies) the checkpoint; every rank loads the same one.
+    """The newest checkpoint every rank found intact; every rank loads the same one.
 
+    Rank 0 lists the candidates; for each, newest first, every rank verifies its share
+    (verify_checkpoint) in parallel and one reduction says whether all passed; a torn or
+    corrupt one is reported (with the rank that found it) and the next older one tried.
     None when root holds no checkpoint; NoUsableCheckpoint (on every rank) when it holds some
     and none is intact: starting over would silently throw the run away.
     """
-    answer = {"path": ""}
-    if ctx.is_main:
-        found = latest_valid_checkpoint(root)
-        if found is not None:
-            answer["path"] = str(found)
-        elif root.exists() and any(root.glob(f"{PREFIX}*")):
-            names = [p.name for p in step_dirs(root)]
-            answer["error"] = (
-                f"{root} holds {len(names)} checkpoint(s) ({names[0]} .. {names[-1]}) and none is "
-                "usable (see the warnings above); none was changed. Repair or restore one, or "
-                "set run.resume=restart to train again from step 0 (they are kept, moved to "
-                f"{root}/{ABANDONED}<time>/)")
-    answer = json.loads(_broadcast_str(json.dumps(answer), ctx))
-    if "error" in answer:
-        raise NoUsableCheckpoint(answer["error"])
-    return Path(answer["path"]) if answer["path"] else None
+    names = [p.name for p in step_dirs(root)] if ctx.is_main and root.exists() else []
+    names = json.loads(_broadcast_str(json.dumps(names), ctx))
+    for name in reversed(names):
+        candidate = root / name
+        problem = verify_checkpoint(candidate, ctx.rank, ctx.world_size)
+        if not _any_rank(problem is not None, ctx):
+            return candidate
+        problems = _gather_on_main(problem, ctx)
+        if ctx.is_main:
+            rank, first = next((r, p) for r, p in enumerate(problems) if p is not None)
+            found_by = f" (found by rank {rank})" if ctx.world_size > 1 else ""
+            log.warning(f"checkpoint {name} is unusable: {first}{found_by}; trying an older one")
+    if not names:
+        return None
+    raise NoUsableCheckpoint(
+        f"{root} holds {len(names)} checkpoint(s) ({names[0]} .. {names[-1]}) and none is "
+        "usable (see the warnings above); none was changed. Repair or restore one, or "
+        "set run.resume=restart to train again from step 0 (they are kept, moved to "
+        f"{root}/{ABANDONED}<time>/)")
 
 
 def _load_pt(path: Path) -> Any:
