@@ -48,15 +48,38 @@ The scales stored are the values the forward used: S_enc = min(448 * 6 / amax, F
 S_dec = 1 / S_enc (nvfp4.tensor_scales), not recomputed as amax / 2688 (which can differ by an
 ulp). The activation scales come from the run's recorded input amax
 (nvfp4_recipe/megatron/input_amax.py), through the same tensor_scales.
+
+A linear whose recorded amax gives no usable static input scale (0: every input of the window
+all-zero or non-finite, which the recorder counts as 0; below 448 * 6 / FLT_MAX; or non-finite,
+from a damaged window) has no W4A4 export: S_enc would be FLT_MAX (the serving engine multiplies
+its inputs by 3.4e38), NaN, or 1 (tensor_scales maps an infinite amax's S_enc of 0 to 1).
+unusable_input_amax finds them; the export refuses them, or writes them weights-only (W4A16)
+when asked (`--zero-amax weights-only`). compressed-tensors expresses that per linear with a
+second config group whose `input_activations` is null (the NVFP4A16 preset's group), which both
+compressed-tensors and vLLM resolve per module: compressed-tensors 0.20.1 orders a module's
+matching targets exact name, regex, class name (utils/match.py:116-151) and takes the first
+(quantization/lifecycle/apply.py:139-161, :245-252); vLLM keeps one scheme per target
+(compressed_tensors.py `_quantization_scheme_map_from_config`), looks a layer up by
+`find_matched_target` (utils.py: the layer name exactly or by `re:`, then the module's CLASS
+name as a case-insensitive substring, then a fused layer through its parts) and serves an NVFP4
+weight without input args as CompressedTensorsW4A16Fp4 (`_get_scheme_from_parts`; vLLM read
+from its main branch's source, not run). Because
+"Linear" is a substring of vLLM's QKVParallelLinear, a fused qkv_proj would match a "Linear"
+target before its q/k/v names: with weights-only linears every group therefore lists its
+modules by name. ModelOpt's `quant_algo: NVFP4` has one algorithm for every quantized linear
+(each with an `input_scale`); a per-linear W4A16 needs its MIXED_PRECISION layout, which this
+export does not write, so that combination is refused.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import torch
 
+from nvfp4_recipe.formats import FP32_MAX
 from nvfp4_recipe.nvfp4 import BLOCK, quantize_nvfp4, tensor_scales
 
 from .config import ModelConfig
@@ -97,6 +120,7 @@ class ServingExport:
     quantization_config: dict
     extra_files: dict[str, dict] = field(default_factory=dict)
     bf16_linears: list[str] = field(default_factory=list)  # transformers module names
+    weights_only: list[str] = field(default_factory=list)  # NVFP4 linears without input scale
 
 
 def megatron_weight(full: Mapping[str, torch.Tensor], cfg: ModelConfig, index: int,
@@ -155,18 +179,60 @@ def packed_linears(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return out
 
 
-def input_scales(amax: Mapping[str, float], formats: Mapping[str, str]
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{transformers module name: (S_enc, S_dec) of its input} from the recorded input amax
-    ({`layers.<i>.<megatron name>`: amax}), by the quantizer's own tensor_scales."""
+def unusable_input_amax(amax: Mapping[str, float], formats: Mapping[str, str]
+                        ) -> dict[str, float]:
+    """{linear: recorded amax} of the NVFP4 linears whose amax gives no usable static input
+    scale: non-finite, <= 0, or so small that S_enc is clamped to FLT_MAX (module docstring)."""
     out = {}
     for key, fmt in formats.items():
-        if fmt != "nvfp4":
+        if fmt != "nvfp4" or key not in amax:
             continue
-        _, index, name = key.split(".", 2)
+        value = float(amax[key])
+        if not math.isfinite(value) or value <= 0:
+            out[key] = value
+            continue
+        s_enc, _ = tensor_scales(torch.tensor(value, dtype=torch.float32))
+        if float(s_enc) >= FP32_MAX:
+            out[key] = value
+    return out
+
+
+def amax_problem(key: str, value: float, steps: Optional[int] = None) -> str:
+    """One clause naming a linear of unusable_input_amax and why its input scale is unusable."""
+    window = f" over the {steps}-step window" if steps else ""
+    if not math.isfinite(value) or value < 0:  # the recorder writes neither: a damaged window
+        what = "negative" if value < 0 else "non-finite"
+        return (f"{key}: recorded input amax is {value} ({what}: a damaged amax window in "
+                "trainer.pt); no static input scale follows from it")
+    if value == 0:
+        return (f"{key}: recorded input amax is 0{window} (all-zero or non-finite inputs); its "
+                "static input scale would be FLT_MAX")
+    return (f"{key}: recorded input amax is {value:.3g}{window}; its static input scale "
+            "448*6/amax would be clamped to FLT_MAX")
+
+
+def hf_names(key: str) -> list[str]:
+    """The transformers modules of policy linear `layers.<i>.<megatron name>`."""
+    _, index, name = key.split(".", 2)
+    return [f"model.layers.{index}.{m}" for m in HF_MODULES[name]]
+
+
+def input_scales(amax: Mapping[str, float], formats: Mapping[str, str],
+                 skip: frozenset[str] = frozenset()
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{transformers module name: (S_enc, S_dec) of its input} from the recorded input amax
+    ({`layers.<i>.<megatron name>`: amax}), by the quantizer's own tensor_scales; the linears in
+    `skip` (exported weights-only) get none. Any other unusable amax is a bug of the caller."""
+    bad = sorted(set(unusable_input_amax(amax, formats)) - set(skip))
+    if bad:
+        raise HFError(amax_problem(bad[0], float(amax[bad[0]])))
+    out = {}
+    for key, fmt in formats.items():
+        if fmt != "nvfp4" or key in skip:
+            continue
         s_enc, s_dec = tensor_scales(torch.tensor(amax[key], dtype=torch.float32))
-        for hf_name in HF_MODULES[name]:
-            out[f"model.layers.{index}.{hf_name}"] = (s_enc, s_dec)
+        for hf_name in hf_names(key):
+            out[hf_name] = (s_enc, s_dec)
     return out
 
 
@@ -203,15 +269,22 @@ def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[
                    inputs: Optional[Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
                    bf16_linears: list[str]) -> ServingExport:
     """The tensors and configs of one format. `dense`: the BF16 export's state dict (to_hf);
-    `inputs`: None for a weight-only (W4A16) export."""
+    `inputs`: None for a weight-only (W4A16) export; a packed linear missing from it is
+    exported weights-only (compressed-tensors only: HFError for ModelOpt)."""
+    weights_only = [] if inputs is None else sorted(m for m in packed if m not in inputs)
+    if weights_only and fmt != "compressed-tensors":
+        raise HFError(f"{weights_only[0]}: a weights-only linear cannot be written in {fmt}'s "
+                      "quant_algo NVFP4 (every quantized linear has an input_scale); use "
+                      "--format compressed-tensors")
     tensors = {k: v for k, v in dense.items()
                if not (k.endswith(".weight") and k[: -len(".weight")] in packed)}
     for module, p in packed.items():  # (q/k/v_proj share their scales: one tensor each)
+        has_input = inputs is not None and module in inputs
         if fmt == "compressed-tensors":
             tensors[f"{module}.weight_packed"] = p.packed
             tensors[f"{module}.weight_scale"] = p.scales
             tensors[f"{module}.weight_global_scale"] = p.s_enc.reshape(1).clone()
-            if inputs is not None:
+            if has_input:
                 tensors[f"{module}.input_global_scale"] = inputs[module][0].reshape(1).clone()
         else:
             tensors[f"{module}.weight"] = p.packed
@@ -219,27 +292,40 @@ def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[
             tensors[f"{module}.weight_scale_2"] = p.s_dec.reshape(()).clone()
             tensors[f"{module}.input_scale"] = inputs[module][1].reshape(()).clone()
     if fmt == "compressed-tensors":
-        return ServingExport(tensors, compressed_tensors_config(bf16_linears, inputs is not None),
-                             bf16_linears=bf16_linears)
+        w4a4 = sorted(m for m in packed if m not in weights_only)
+        config = compressed_tensors_config(bf16_linears, inputs is not None,
+                                           (w4a4, weights_only) if weights_only else None)
+        return ServingExport(tensors, config, bf16_linears=bf16_linears,
+                             weights_only=weights_only)
     quant = modelopt_quant_config(bf16_linears)
     return ServingExport(tensors, modelopt_config_json(quant), {"hf_quant_config.json": quant},
                          bf16_linears=bf16_linears)
 
 
-def compressed_tensors_config(ignore: list[str], activations: bool) -> dict:
+def compressed_tensors_config(ignore: list[str], activations: bool,
+                              split: Optional[tuple[list[str], list[str]]] = None) -> dict:
     """config.json's quantization_config, as compressed-tensors 0.20.1 writes the NVFP4 (W4A4)
-    or NVFP4A16 (weight-only) preset."""
+    or NVFP4A16 (weight-only) preset. `split` = (W4A4 modules, weights-only modules): the two
+    presets side by side, each group targeting its modules by name (module docstring: a
+    "Linear" target would take vLLM's fused qkv_proj before its q/k/v names)."""
     def args(**extra):
         return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK,
                 "strategy": "tensor_group", "scale_dtype": "torch.float8_e4m3fn", **extra}
 
-    group = {"targets": ["Linear"], "weights": args(dynamic=False),
-             "input_activations": (args(dynamic="local", observer="static_minmax")
-                                   if activations else None),
-             "output_activations": None, "format": "nvfp4-pack-quantized"}
+    def group(targets, with_inputs):
+        return {"targets": targets, "weights": args(dynamic=False),
+                "input_activations": (args(dynamic="local", observer="static_minmax")
+                                      if with_inputs else None),
+                "output_activations": None, "format": "nvfp4-pack-quantized"}
+
+    if split is None:
+        groups = {"group_0": group(["Linear"], activations)}
+    else:  # an empty W4A4 side (every NVFP4 linear weights-only) is left out
+        groups = {name: group(targets, with_inputs) for name, targets, with_inputs in
+                  (("group_0", split[0], True), ("group_1", split[1], False)) if targets}
     return {"version": COMPRESSED_TENSORS_VERSION, "quant_method": "compressed-tensors",
             "sparsity_config": {}, "transform_config": {},
-            "config_groups": {"group_0": group}, "kv_cache_scheme": None,
+            "config_groups": groups, "kv_cache_scheme": None,
             "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
             "global_compression_ratio": None, "ignore": sorted(ignore),
             "moe_sparsity_config": None}

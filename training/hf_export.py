@@ -1,7 +1,8 @@
 """Export a training run to a transformers NemotronH directory (model/hf.py maps the weights).
 
     python -m training.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
-        [--weights bf16|nvfp4 [--format compressed-tensors|modelopt] [--weights-only]]
+        [--weights bf16|nvfp4 [--format compressed-tensors|modelopt]
+                              [--weights-only | --zero-amax refuse|weights-only]]
 
 Reads the run's config.yaml and its newest intact checkpoint (or --step N, verified against its
 manifest) through the checkpoint reader's allow-listed unpickler, then writes the directory
@@ -16,8 +17,12 @@ as its forward pass quantized it, in compressed-tensors' nvfp4-pack-quantized fo
 ModelOpt's NVFP4 (TensorRT-LLM, vLLM), with the activation scales from the input amax the run
 recorded (precision.input_amax_steps); the BF16 layers of the run's precision map stay BF16.
 Refused with exit 2, before anything is written: a run that never trained a linear in NVFP4, one
-with MXFP4/FP8 linears, a weight that cannot be packed, and a checkpoint without recorded input
-amax (unless --weights-only, compressed-tensors' weight-only NVFP4A16).
+with MXFP4/FP8 linears, a weight that cannot be packed, a checkpoint without recorded input
+amax (unless --weights-only, compressed-tensors' weight-only NVFP4A16), and a linear whose
+recorded amax gives no usable input scale (0 over the window: all-zero or non-finite inputs;
+or non-finite), the line naming each such linear. `--zero-amax weights-only` instead exports
+those linears weights-only (W4A16, no input scale; compressed-tensors only), prints each, and
+lists them in config.json's second config group and nvfp4_export.json's weights_only_modules.
 """
 
 from __future__ import annotations
@@ -237,6 +242,7 @@ def parse_max_shard_size(value) -> int:
 
 
 WEIGHTS = ("bf16", "nvfp4")
+ZERO_AMAX = ("refuse", "weights-only")  # what --weights nvfp4 does with an unusable input amax
 
 
 def nvfp4_formats(files: RunFiles) -> dict[str, str]:
@@ -283,6 +289,22 @@ def recorded_input_amax(checkpoint: Path, formats: dict[str, str], weights_only:
     return amax, steps
 
 
+def weights_only_linears(amax: dict[str, float], steps: int, formats: dict[str, str],
+                         zero_amax: str) -> dict[str, float]:
+    """{linear: amax} of the NVFP4 linears whose recorded input amax gives no usable static input
+    scale (hf_nvfp4.unusable_input_amax): refused (exit 2), one line naming each, unless
+    zero_amax is "weights-only", when they are returned to be exported without an input scale."""
+    from model import hf_nvfp4
+
+    bad = hf_nvfp4.unusable_input_amax(amax, formats)
+    if bad and zero_amax != "weights-only":
+        them = "it" if len(bad) == 1 else "them"
+        raise HFError("; ".join(hf_nvfp4.amax_problem(k, v, steps) for k, v in sorted(bad.items()))
+                      + f"; pass --zero-amax weights-only to export {them} without an input "
+                      "scale (W4A16), or --weights-only for every linear")
+    return bad
+
+
 def _switched_to_bf16(files: RunFiles, checkpoint: Path) -> Optional[float]:
     """The share of the run's tokens after which its forward ran in BF16, if the checkpoint
     is past it (precision.switch_to_bf16), else None."""
@@ -301,11 +323,13 @@ def _switched_to_bf16(files: RunFiles, checkpoint: Path) -> Optional[float]:
 
 def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str] = None,
            overwrite: bool = False, max_shard_size: str = "5GB", weights: str = "bf16",
-           fmt: Optional[str] = None, weights_only: bool = False) -> Path:
+           fmt: Optional[str] = None, weights_only: bool = False,
+           zero_amax: Optional[str] = None) -> Path:
     """A run's checkpoint as a transformers NemotronH directory; every check before writing.
 
     weights="nvfp4": its NVFP4 linears as the forward quantized them, in `fmt`
-    (model.hf_nvfp4.FORMATS; default compressed-tensors)."""
+    (model.hf_nvfp4.FORMATS; default compressed-tensors); `zero_amax` (ZERO_AMAX; default
+    refuse): what to do with a linear whose recorded input amax gives no usable input scale."""
     from model import hf_nvfp4
 
     run_dir, output = Path(run_dir).expanduser(), Path(output).expanduser()
@@ -319,6 +343,16 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     if weights_only and fmt == "modelopt":
         raise HFError("--weights-only: ModelOpt's NVFP4 carries input scales; use --format "
                       "compressed-tensors (NVFP4A16) for a weight-only export")
+    if zero_amax is not None:
+        if zero_amax not in ZERO_AMAX:
+            raise HFError(f"--zero-amax {zero_amax}: choose one of {', '.join(ZERO_AMAX)}")
+        if weights != "nvfp4" or weights_only:
+            raise HFError(f"--zero-amax {zero_amax}: applies to --weights nvfp4 with input "
+                          "scales only (not --weights bf16, not --weights-only)")
+        if zero_amax == "weights-only" and fmt == "modelopt":
+            raise HFError("--zero-amax weights-only: ModelOpt's quant_algo NVFP4 gives every "
+                          "quantized linear an input_scale and this export does not write its "
+                          "per-layer MIXED_PRECISION layout; use --format compressed-tensors")
     _check_output(output, overwrite, run_dir)  # first: nothing below may touch a run
     shard_bytes = parse_max_shard_size(max_shard_size)
     files = read_run(run_dir)
@@ -326,6 +360,8 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     checkpoint = pick_checkpoint(run_dir, step)
     amax, amax_steps = (recorded_input_amax(checkpoint, formats, weights_only)
                         if formats else (None, 0))
+    unusable = (weights_only_linears(amax, amax_steps, formats, zero_amax or "refuse")
+                if amax is not None else {})
     try:
         import transformers  # noqa: F401  (only whether it imports)
     except ImportError:
@@ -347,12 +383,19 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     if formats is not None:
         dense = to_hf(full, cfg, vocab)
         packed = hf_nvfp4.packed_linears(full, cfg, formats, files.precision.weight_2d)
-        inputs = hf_nvfp4.input_scales(amax, formats) if amax is not None else None
+        inputs = (hf_nvfp4.input_scales(amax, formats, frozenset(unusable))
+                  if amax is not None else None)
         serving = hf_nvfp4.serving_export(fmt, dense, packed, inputs,
                                           hf_nvfp4.bf16_linear_names(cfg, formats))
         about.update({"weights": "nvfp4", "format": fmt, "weight_2d": files.precision.weight_2d,
                       "input_amax_steps": amax_steps, "activations": "bf16" if weights_only
                       else "nvfp4"})
+        if not weights_only:
+            about["weights_only_modules"] = serving.weights_only
+        for key, value in sorted(unusable.items()):
+            log.warning(f"warning: {hf_nvfp4.amax_problem(key, value, amax_steps)}: exported "
+                        f"weights-only (W4A16, no input scale): "
+                        f"{', '.join(hf_nvfp4.hf_names(key))}")
         for limit in hf_nvfp4.vllm_limits(cfg, formats):
             log.warning(f"warning: {limit}")
         switched = _switched_to_bf16(files, checkpoint)
@@ -397,12 +440,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ex.add_argument("--weights-only", action="store_true",
                     help="with --weights nvfp4 --format compressed-tensors: no activation scales "
                          "(NVFP4A16), for a run without recorded input amax")
+    ex.add_argument("--zero-amax", default=None,
+                    help="with --weights nvfp4: a linear whose recorded input amax is 0 (or "
+                         "non-finite) has no usable input scale: refuse (default) or "
+                         "weights-only (that linear W4A16, the others W4A4; compressed-tensors)")
     args = ex.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     quiet_cpu_fallback_warnings()
     try:
         checkpoint = export(args.run_dir, args.output, args.step, args.tokenizer, args.overwrite,
-                            args.max_shard_size, args.weights, args.fmt, args.weights_only)
+                            args.max_shard_size, args.weights, args.fmt, args.weights_only,
+                            args.zero_amax)
     except HFError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code

@@ -393,6 +393,12 @@ def test_refusals_are_one_line_before_anything_is_written(tmp_path, monkeypatch,
     refused(run, "--weights", "nvfp4", "--format", "gguf", text="--format gguf")
     refused(run, "--weights", "nvfp4", "--format", "modelopt", "--weights-only",
             text="compressed-tensors")
+    refused(run, "--weights", "nvfp4", "--zero-amax", "skip", text="--zero-amax skip")
+    refused(run, "--weights", "nvfp4", "--format", "modelopt", "--zero-amax", "weights-only",
+            text="use --format compressed-tensors")
+    refused(run, "--weights", "nvfp4", "--weights-only", "--zero-amax", "refuse",
+            text="not --weights-only")
+    refused(bf16_run, "--zero-amax", "weights-only", text="applies to --weights nvfp4")
     mx = PrecisionConfig(name="x", format="nvfp4", bf16_first_layers=1, bf16_last_layers=1,
                          overrides={"layers.2.self_attention.linear_qkv": "fp8"})
     refused(run_with(mx, name="mixed"), "--weights", "nvfp4", text="in fp8")
@@ -410,6 +416,207 @@ def test_refusals_are_one_line_before_anything_is_written(tmp_path, monkeypatch,
         hf_nvfp4.check_packable("layers.1.mlp.linear_fc1", torch.zeros(24, 64), 16)
     with pytest.raises(hf.HFError, match="cannot be packed"):
         hf_nvfp4.check_packable("layers.1.mlp.linear_fc1", torch.zeros(32, 40), 1)
+
+
+# -- a linear without a usable input amax (issue 36 item 4) -------------------------------------
+
+QKV = "layers.2.self_attention.linear_qkv"  # fused in vLLM: the case a "Linear" target gets wrong
+FC2 = "layers.1.mlp.linear_fc2"
+QKV_MODULES = [f"model.layers.2.mixer.{p}_proj" for p in "qkv"]
+
+
+def with_amax(state: dict, **columns) -> dict:
+    """The recorder state with every row of the named linears' columns set (name with . -> __)."""
+    state = {**state, "history": state["history"].clone()}
+    for name, value in columns.items():
+        state["history"][:, state["names"].index(name.replace("__", "."))] = value
+    return state
+
+
+def files_under(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_unusable_input_amax_is_zero_tiny_or_non_finite():
+    """The values whose tensor_scales give no usable static scale: 0 -> S_enc = FLT_MAX (what
+    vLLM would multiply the inputs by), below 448*6/FLT_MAX -> the same clamp, inf -> S_enc 1
+    (tensor_scales' 0 -> 1), NaN -> NaN. A small but representable amax stays usable."""
+    fmax = torch.finfo(torch.float32).max
+    assert float(tensor_scales(torch.tensor(0.0))[0]) == fmax
+    formats = {f"layers.1.{n}": "nvfp4" for n in ("a", "b", "c", "d", "e", "f", "h")}
+    formats["layers.1.g"] = "bf16"
+    amax = {"layers.1.a": 0.0, "layers.1.b": float("nan"), "layers.1.c": float("inf"),
+            "layers.1.d": 1e-38, "layers.1.e": 1e-30, "layers.1.f": 3.5, "layers.1.g": 0.0,
+            "layers.1.h": -1.0}
+    bad = hf_nvfp4.unusable_input_amax(amax, formats)
+    assert set(bad) == {"layers.1.a", "layers.1.b", "layers.1.c", "layers.1.d", "layers.1.h"}
+    assert float(tensor_scales(torch.tensor(1e-30))[0]) < fmax  # e: a real (if odd) scale
+    assert "would be FLT_MAX" in hf_nvfp4.amax_problem("layers.1.a", 0.0, 7)
+    assert "over the 7-step window" in hf_nvfp4.amax_problem("layers.1.a", 0.0, 7)
+    assert "nan (non-finite" in hf_nvfp4.amax_problem("layers.1.b", float("nan"), 7)
+    assert "clamped to FLT_MAX" in hf_nvfp4.amax_problem("layers.1.d", 1e-38, 7)
+    assert "-1.0 (negative" in hf_nvfp4.amax_problem("layers.1.h", -1.0, 7)
+    # input_scales never turns an unusable amax into a scale, unless told to skip that linear.
+    with pytest.raises(hf.HFError, match="layers.1.a: recorded input amax is 0"):
+        hf_nvfp4.input_scales(amax, formats)
+
+
+@pytest.mark.parametrize("fmt", hf_nvfp4.FORMATS)
+def test_a_linear_with_zero_or_non_finite_amax_is_refused_naming_it_before_writing(
+        tmp_path, monkeypatch, capsys, tiny_tokenizer, trained, fmt):
+    """By default the export refuses (exit 2) with one line naming every such linear, the
+    window and what the scale would be; nothing is created (no --output, no temporary)."""
+    weights, amax = trained
+    state = with_amax(amax, **{QKV.replace(".", "__"): 0.0, FC2.replace(".", "__"): float("nan")})
+    run = write_run(tmp_path / "r", tiny_tokenizer, weights, state, precision(), monkeypatch)
+    before = files_under(tmp_path)
+    out = tmp_path / "out"
+    assert hf_export.main([str(run), "--output", str(out), "--weights", "nvfp4",
+                           "--format", fmt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    line = err[0]
+    assert (f"{QKV}: recorded input amax is 0 over the 2-step window (all-zero or non-finite "
+            "inputs); its static input scale would be FLT_MAX") in line
+    assert f"{FC2}: recorded input amax is nan" in line
+    assert "--zero-amax weights-only" in line
+    assert not out.exists() and files_under(tmp_path) == before
+    # An explicit --zero-amax refuse is the default.
+    assert hf_export.main([str(run), "--output", str(out), "--weights", "nvfp4", "--format",
+                           fmt, "--zero-amax", "refuse"]) == 2
+    assert QKV in capsys.readouterr().err and files_under(tmp_path) == before
+
+
+@torch._dynamo.config.patch(disable=True)
+def test_zero_amax_weights_only_exports_that_linear_w4a16_and_the_rest_unchanged(
+        tmp_path, monkeypatch, capsys, caplog, tiny_tokenizer, trained):
+    """--zero-amax weights-only: the zero-amax linear (attention qkv: three transformers modules,
+    one vLLM qkv_proj) has no input_global_scale, every other tensor equals the normal export's,
+    config.json gives it a second config group without input_activations, nvfp4_export.json
+    names it, the command prints it; compressed-tensors assigns the schemes per module as
+    written, and transformers loads it to the same weights as the normal export."""
+    pytest.importorskip("compressed_tensors", reason="the Hugging Face extra: pip install -e '.[hf]'")
+    weights, amax = trained
+    normal = write_run(tmp_path / "n", tiny_tokenizer, weights, amax, precision(), monkeypatch)
+    ref = tmp_path / "ref"
+    assert hf_export.main([str(normal), "--output", str(ref), "--weights", "nvfp4"]) == 0
+    run = write_run(tmp_path / "z", tiny_tokenizer, weights,
+                    with_amax(amax, **{QKV.replace(".", "__"): 0.0}), precision(), monkeypatch)
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="nvfp4_pretrain"):
+        assert hf_export.main([str(run), "--output", str(out), "--weights", "nvfp4",
+                               "--zero-amax", "weights-only"]) == 0
+    [said] = [r.getMessage() for r in caplog.records if "weights-only" in r.getMessage()]
+    assert said.startswith(f"warning: {QKV}: recorded input amax is 0 over the 2-step window")
+    assert said.endswith("exported weights-only (W4A16, no input scale): " + ", ".join(QKV_MODULES))
+
+    tensors, reference = load_dir(out), load_dir(ref)
+    dropped = {f"{saved(m)}.input_global_scale" for m in QKV_MODULES}
+    assert dropped <= set(reference) and not dropped & set(tensors)
+    assert set(tensors) == set(reference) - dropped
+    for name, tensor in tensors.items():  # codes, scales, other input scales: unchanged
+        assert torch.equal(tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn
+                           else tensor, reference[name].view(torch.uint8)
+                           if tensor.dtype == torch.float8_e4m3fn else reference[name]), name
+
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    ref_config = json.loads((ref / "config.json").read_text())["quantization_config"]
+    groups = config["config_groups"]
+    w4a4 = sorted({saved(k).replace("backbone.", "model.", 1).rsplit(".", 1)[0]
+                   for k in reference if k.endswith(".input_global_scale")} - set(QKV_MODULES))
+    assert groups["group_0"]["targets"] == w4a4 and len(w4a4) == 4  # fc1, fc2, o_proj, in_proj
+    assert groups["group_0"]["input_activations"] == \
+        ref_config["config_groups"]["group_0"]["input_activations"]
+    assert groups["group_1"]["targets"] == sorted(QKV_MODULES)
+    assert groups["group_1"]["input_activations"] is None
+    assert groups["group_1"]["weights"] == groups["group_0"]["weights"]
+    assert config["ignore"] == ref_config["ignore"]
+    about = json.loads((out / hf.EXPORT_MARKER).read_text())
+    assert about["weights_only_modules"] == sorted(QKV_MODULES) and about["activations"] == "nvfp4"
+    assert json.loads((ref / hf.EXPORT_MARKER).read_text())["weights_only_modules"] == []
+
+    # compressed-tensors' own target matching (apply_quantization_config) on the transformers
+    # model: q/k/v get the weight-only scheme, the other NVFP4 linears W4A4, the BF16 ones none.
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
+
+    hf_config = AutoConfig.from_pretrained(out)
+    hf_config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(hf_config)
+    apply_quantization_config(model, QuantizationConfig.model_validate(config),
+                              show_progress=False)
+    schemes = {n: getattr(m, "quantization_scheme", None) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    for name, scheme in schemes.items():
+        if name in QKV_MODULES:
+            assert scheme.weights is not None and scheme.input_activations is None, name
+        elif name in w4a4:
+            assert scheme.input_activations is not None, name
+        else:
+            assert scheme is None and name in config["ignore"], name
+
+    # vLLM's lookup (compressed_tensors/utils.py find_matched_target, rewritten): name, then the
+    # class name as a substring, then the fused parts. Its qkv_proj (QKVParallelLinear) takes
+    # group_1 through q_proj; with a "Linear" target it would have taken the W4A4 group.
+    def vllm_target(layer, cls, targets):
+        fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        hit = next((t for t in targets if t == layer), None) or \
+            next((t for t in targets if t.lower() in cls.lower()), None)
+        if hit is None and layer.rsplit(".", 1)[1] in fused:
+            parts = [layer.rsplit(".", 1)[0] + "." + p for p in fused[layer.rsplit(".", 1)[1]]]
+            if all(p in targets for p in parts):
+                hit = parts[0]
+        return hit
+
+    every = groups["group_0"]["targets"] + groups["group_1"]["targets"]
+    assert vllm_target("model.layers.2.mixer.qkv_proj", "QKVParallelLinear", every) in \
+        groups["group_1"]["targets"]
+    assert vllm_target("model.layers.2.mixer.o_proj", "RowParallelLinear", every) in \
+        groups["group_0"]["targets"]
+    assert vllm_target("model.layers.2.mixer.qkv_proj", "QKVParallelLinear",
+                       ["Linear"] + QKV_MODULES) == "Linear"
+
+    # transformers with compressed-tensors loads it (decompressed) to the normal export's weights.
+    def loaded(directory):
+        return AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32,
+            quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+
+    ours, theirs = loaded(out), loaded(ref)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_every_nvfp4_linear_weights_only_leaves_one_w4a16_group(tmp_path, monkeypatch,
+                                                                 tiny_tokenizer, trained):
+    """All NVFP4 linears without a usable amax: no input scale anywhere, one config group (the
+    NVFP4A16 one) naming them, no empty W4A4 group."""
+    weights, amax = trained
+    state = {**amax, "history": torch.zeros_like(amax["history"])}
+    run = write_run(tmp_path / "z", tiny_tokenizer, weights, state, precision(), monkeypatch)
+    out = tmp_path / "out"
+    assert hf_export.main([str(run), "--output", str(out), "--weights", "nvfp4",
+                           "--zero-amax", "weights-only"]) == 0
+    assert not [k for k in load_dir(out) if k.endswith("input_global_scale")]
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert list(groups) == ["group_1"] and groups["group_1"]["input_activations"] is None
+    assert len(groups["group_1"]["targets"]) == 7  # up/down, q/k/v, o, in_proj
+
+
+def test_serving_export_refuses_a_weights_only_linear_in_modelopt(exports, trained):
+    """The library call, not only the command, never writes a ModelOpt linear without its
+    input_scale."""
+    weights, amax_state = trained
+    prec = precision()
+    formats = nvfp4_linears(prec)
+    amax, _ = running_input_amax(amax_state)
+    packed = hf_nvfp4.packed_linears(weights, TINY, formats, True)
+    inputs = hf_nvfp4.input_scales(amax, formats, frozenset({QKV}))
+    with pytest.raises(hf.HFError, match="model.layers.2.mixer.k_proj: a weights-only linear"):
+        hf_nvfp4.serving_export("modelopt", hf.to_hf(weights, TINY, VOCAB), packed, inputs,
+                                hf_nvfp4.bf16_linear_names(TINY, formats))
 
 
 # -- slow: train.py at TP=2 and the CLI as a user runs them ------------------------------------
