@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from errors import ConfigError, MissingError
+from errors import ConfigError, ExitCode, MissingError, ProjectError
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -36,6 +36,12 @@ class TaskUnavailable(MissingError):
 
 class UnknownTask(ConfigError):
     """A name that is no lm-eval task, group or tag, nor a task YAML file (exit 2)."""
+
+
+class UnreadableTaskData(ProjectError):
+    """A task whose documents cannot be read, e.g. a malformed JSON line (exit 7)."""
+
+    code = ExitCode.BAD_INPUT
 
 
 def go_offline() -> None:
@@ -130,10 +136,29 @@ def check_offline(tasks: list[str], manager) -> None:
                 + ", ".join(shipped_tasks()))
 
 
+def check_documents(tasks: list[str], manager) -> None:
+    """Load every task's documents once, at start-up: a file that cannot be read (a malformed
+    JSON line) is one line naming the task and the reason here, before anything is written,
+    not a traceback at the first evaluation, hours in, and again at every resume. datasets
+    caches what it read, so the evaluations load it again cheaply."""
+    from datasets.exceptions import DatasetsError
+
+    for task in tasks:
+        try:
+            with _quiet_lm_eval():
+                manager.load([os.path.expanduser(task) if _is_path(task) else task])
+        except DatasetsError as exc:
+            cause = exc.__cause__ or exc.__context__ or exc
+            raise UnreadableTaskData(f"evaluation task {task!r}: its documents cannot be read "
+                                     f"({type(cause).__name__}: {cause})") from None
+
+
 def prepare_tasks(tasks: list[str]):
-    """The TaskManager for these tasks, after refusing any that cannot run here offline."""
+    """The TaskManager for these tasks, after refusing any that cannot run here offline or
+    whose documents cannot be read."""
     manager = task_manager(tasks)
     check_offline(tasks, manager)
+    check_documents(tasks, manager)
     return manager
 
 

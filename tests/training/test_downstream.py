@@ -121,6 +121,50 @@ def test_task_refusals_carry_their_exit_codes(tmp_path, monkeypatch):
     assert offline.value.code == ExitCode.MISSING
 
 
+def _task_with_a_malformed_line(tmp_path):
+    """A copy of a shipped task whose third document is a cut JSON line."""
+    import shutil
+
+    from training.downstream import SHIPPED_TASKS
+
+    for name in ("demo_arith_choice.yaml", "demo_arith_choice.jsonl", "loader.py"):
+        shutil.copy(SHIPPED_TASKS / name, tmp_path / name)
+    lines = (tmp_path / "demo_arith_choice.jsonl").read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]
+    (tmp_path / "demo_arith_choice.jsonl").write_text("\n".join(lines) + "\n")
+    yaml = tmp_path / "cut_arith.yaml"
+    yaml.write_text((tmp_path / "demo_arith_choice.yaml").read_text()
+                    .replace("task: demo_arith_choice", "task: cut_arith"))
+    return yaml
+
+
+def test_a_task_whose_documents_cannot_be_read_is_refused_when_prepared(tmp_path):
+    """A malformed JSON line was a traceback at the first in-loop evaluation, and again at every
+    resume (a Slurm requeue looped on it): prepare_tasks, which both commands call at start-up,
+    reads every document and refuses the task (exit 7)."""
+    from errors import ExitCode
+    from training.downstream import UnreadableTaskData, prepare_tasks
+
+    with pytest.raises(UnreadableTaskData, match="'.*cut_arith.yaml'.*JSON parse error") as err:
+        prepare_tasks([str(_task_with_a_malformed_line(tmp_path))])
+    assert err.value.code == ExitCode.BAD_INPUT
+
+
+@pytest.mark.slow  # two start-ups: ~20 s
+def test_both_commands_refuse_a_task_whose_documents_cannot_be_read_before_writing(
+        tmp_path, data_cache):
+    from errors import ExitCode
+
+    yaml = _task_with_a_malformed_line(tmp_path)
+    proc = evaluate_cli(tmp_path / "no-run", "--tasks", yaml)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr
+    assert "cut_arith.yaml" in [l for l in proc.stderr.splitlines() if l.startswith("error:")][0]
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *FAST, *TINY, f"evaluation.tasks=[{yaml}]", cache_dir=data_cache)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not run_dir.exists()
+
+
 def test_flat_metrics_name_task_metric_and_stderr():
     from training.downstream import flat_metrics
 
