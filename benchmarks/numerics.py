@@ -6,7 +6,8 @@ and a plain vectorized reference (TE-reference style: one mask per E2M1 threshol
 and emulated nvfp4_linear forward+backward against bf16 F.linear (kernels "auto", i.e. compiled
 where inductor can build them, and "eager") and FP32 F.linear; the BF16 and emulated GEMMs compute
 as the GEMM compute policy says (`--gemm-compute`, default auto: FP32 on a CPU without BF16
-instructions, nvfp4_recipe/compute.py). Prints Markdown tables of seconds and ratios; timings
+instructions, nvfp4_recipe/compute.py); "direct" is `nvfp4_linear` called as a library user calls
+it, outside any context (the library decides its GEMMs' dtype itself). Prints Markdown tables of seconds and ratios; timings
 are interleaved medians (see benchmarks/timing.py measure_interleaved).
 """
 
@@ -107,12 +108,17 @@ def bench_linear(size: int, repeats: int, gemm: GemmCompute) -> dict[str, object
         x32.grad = w32.grad = None
         F.linear(x32, w32).backward(dy32)
 
+    def direct_step():  # as a library user calls it: no context; the library decides the GEMMs
+        x.grad = w.grad = None
+        nvfp4_linear(x, w).backward(dy)
+
     fns = {
         "bf16": step(F.linear),
         "fp32": fp32_step,
         "nvfp4 fast": step(lambda a, b: nvfp4_linear(a, b, None, NVFP4Config(kernels="auto"))),
         "nvfp4 fast eager": step(lambda a, b: nvfp4_linear(a, b, None, NVFP4Config(kernels="eager"))),
         "nvfp4 exact": step(lambda a, b: nvfp4_linear(a, b, None, NVFP4Config(gemm="exact"))),
+        "nvfp4 direct": direct_step,
     }
     s = measure_interleaved(fns, warmup=1, repeats=repeats)
     return {
@@ -124,6 +130,7 @@ def bench_linear(size: int, repeats: int, gemm: GemmCompute) -> dict[str, object
         "fast / fp32": s["nvfp4 fast"] / s["fp32"],
         "fast eager / bf16": s["nvfp4 fast eager"] / s["bf16"],
         "exact / bf16": s["nvfp4 exact"] / s["bf16"],
+        "direct / fp32": s["nvfp4 direct"] / s["fp32"],
     }
 
 

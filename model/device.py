@@ -7,12 +7,14 @@ the RNG state a checkpoint keeps, the GEMM compute policy (nvfp4_recipe/compute.
 benches report. The device is the run's (the parallel context's), never "is some GPU present":
 a gloo run on a machine with a GPU is a CPU run. Tests state any machine as a `Hardware`.
 
-Whether BF16 GEMMs are native on a CPU is decided by the ISA flags as oneDNN reads them
-(`torch.ops.mkldnn._is_mkldnn_bf16_supported`: AVX512 (avx512_core) and up, AMX, or Arm's BF16),
-the same check torch makes before it hands a BF16 GEMM to oneDNN; without it torch runs a generic
-kernel (measured on a Zen 3, AVX2: `F.linear` 1024x256 x 256x1024 in 82 ms BF16 vs 12 ms FP32).
-It follows `ONEDNN_MAX_CPU_ISA`, so `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` reproduces
-such a CPU on a newer one (docs/performance.md).
+Whether BF16 GEMMs are native on a CPU is nvfp4_recipe.compute's probe (`cpu_bf16_gemms_native`,
+cached there, so the library's emulated GEMMs and the run read one decision): oneDNN must take
+BF16 GEMMs (`torch.ops.mkldnn._is_mkldnn_bf16_supported`, the check torch makes before it hands a
+BF16 GEMM to oneDNN; without it torch runs a generic kernel: a Zen 3, AVX2, `F.linear` 1024x256 x
+256x1024 in 82 ms BF16 vs 12 ms FP32), and on x86 the CPU must have BF16 instructions (AVX512-BF16
+or AMX): on AVX-512 without them oneDNN emulates BF16 (an Intel Xeon: 9.2 ms vs 1.6 ms). It follows
+`ONEDNN_MAX_CPU_ISA`, so `ONEDNN_MAX_CPU_ISA=AVX2` reproduces such a CPU on a newer one
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_recipe.compute import GemmCompute, gemm_compute, tf32_matmuls
+from nvfp4_recipe.compute import GemmCompute, cpu_bf16_gemms_native, gemm_compute, tf32_matmuls
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def cuda_present() -> bool:
 @functools.cache
 def _probe(device_type: str, index: Optional[int]) -> Hardware:
     capability = torch.cuda.get_device_capability(index) if device_type == "cuda" else None
-    native = device_type == "cuda" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    native = device_type == "cuda" or cpu_bf16_gemms_native()
     return Hardware(device_type=device_type, cuda_capability=capability,
                     cpu_isa=torch.backends.cpu.get_cpu_capability(), bf16_gemms_native=native)
 

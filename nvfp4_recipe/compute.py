@@ -11,13 +11,23 @@ only by the order of the FP32 accumulation; parameters, activations and gradient
 sees the forward's GEMMs and those autograd runs for the backward alike, and every caller
 (megatron's linears and output layer, attention, the Mamba mixer's matmuls, einsums and conv1d, the
 emulated low-precision GEMMs) is covered without touching a call site. Everything else passes
-through unchanged. The emulation (nvfp4_recipe/operands.py) asks `fp32_gemms_active()` and writes its
-operands in FP32 directly instead of BF16 values for the mode to convert.
+through unchanged.
+
+The machine is decided here, once per process (`cpu_bf16_gemms_native`, a cached probe that
+model/device.py's `Hardware` reads too), so the library's own emulated GEMMs need no caller to
+enter a mode: `emulated_gemms_in_fp32(device)` is what nvfp4_recipe/operands.py asks. It follows
+the run where the run has decided (`GemmCompute.context()`, either way), and the machine
+elsewhere (`nvfp4_linear` called directly): FP32 GEMMs on the exact dequantized values where BF16
+is not native. Those values are exact in FP32, and the GEMM's output is rounded to BF16 as a BF16
+GEMM's would be, so only the order of the FP32 accumulation differs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +118,52 @@ def fp32_gemms_active() -> bool:
     return any(isinstance(mode, FP32Gemms) for mode in _get_current_dispatch_mode_stack())
 
 
+def bf16_gemms_native(onednn_bf16: bool, x86: bool, bf16_instructions: bool) -> bool:
+    """Whether a CPU's BF16 GEMMs are native (pure): oneDNN must take them (`onednn_bf16`:
+    `torch.ops.mkldnn._is_mkldnn_bf16_supported()`, which follows ONEDNN_MAX_CPU_ISA), and on x86
+    the CPU must have BF16 instructions (AVX512-BF16 or AMX-BF16). oneDNN also takes BF16 on
+    AVX-512 without them, emulating the BF16 dot products: measured on an Intel Xeon with
+    AVX-512 but no avx512_bf16 (2026-12-03), `F.linear` 1024x256 x 256x1024 took 9.2 ms in BF16
+    against 1.6 ms in FP32. On Arm oneDNN's own check already asks for the BF16 extension."""
+    return onednn_bf16 and (bf16_instructions or not x86)
+
+
+@functools.cache
+def cpu_bf16_gemms_native() -> bool:
+    """This CPU's `bf16_gemms_native`, probed once per process (model/device.py reads it too)."""
+    onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    instructions = x86 and bool(torch.cpu._is_avx512_bf16_supported()
+                                or torch.cpu._is_amx_tile_supported())
+    return bf16_gemms_native(onednn, x86, instructions)
+
+
+# The run's decision while a GemmCompute.context() is entered on this thread (None: none is).
+_decided = threading.local()
+
+
+def emulated_gemms_in_fp32(device: torch.device) -> bool:
+    """Whether the emulated GEMMs on `device` multiply in FP32 (their operands written in FP32)
+    instead of BF16: as the run decided (GemmCompute.context(), or an FP32Gemms mode), else as
+    the machine decides: on a CPU without native BF16 GEMMs."""
+    if fp32_gemms_active():
+        return True
+    decided = getattr(_decided, "dtype", None)
+    if decided is not None:
+        return decided == torch.float32
+    return device.type == "cpu" and not cpu_bf16_gemms_native()
+
+
+@contextlib.contextmanager
+def _deciding(dtype: torch.dtype):
+    previous = getattr(_decided, "dtype", None)
+    _decided.dtype = dtype
+    try:
+        yield
+    finally:
+        _decided.dtype = previous
+
+
 def tf32_matmuls() -> bool:
     """Whether FP32 matmuls on CUDA may run as TF32 (10-bit mantissa) in this process.
 
@@ -139,8 +195,11 @@ class GemmCompute:
     tf32: bool = False  # a CUDA run whose FP32 matmuls may run as TF32 (tf32_matmuls)
 
     def context(self):
-        """The context a forward and backward run in: `FP32Gemms` or nothing."""
-        return FP32Gemms() if self.dtype == torch.float32 else contextlib.nullcontext()
+        """The context a forward and backward run in: `FP32Gemms`, or BF16 GEMMs as they are
+        (a forced `bf16` on a CPU without BF16 instructions: the emulation's GEMMs too)."""
+        if self.dtype == torch.float32:
+            return FP32Gemms()
+        return _deciding(self.dtype)
 
     def describe(self) -> str:
         if self.dtype == torch.float32:

@@ -13,8 +13,9 @@ block for the Wgrad operands (zeros add nothing to dW). K and N must be multiple
 GEMMs: operands are the exact q*s values; config.gemm = "fast" runs a bf16 GEMM (FP32 accumulation
 inside, output rounded to bf16) and applies the FP32 tensor scales to that output (one extra rounding,
 <= 1 bf16 ulp), "exact" runs it in FP32. Bias and all accumulation stay in high precision. Where BF16
-GEMMs compute in FP32 (nvfp4_recipe/compute.py), "fast" writes its operands in FP32 and rounds the
-GEMM's output to bf16: the same numbers, without a BF16 kernel or a conversion pass.
+GEMMs compute in FP32 (nvfp4_recipe/compute.py: the run's decision, else the machine's, so a
+caller needs no mode), "fast" writes its operands in FP32 and rounds the GEMM's output to bf16:
+the same numbers up to the FP32 accumulation order, without a BF16 kernel or a conversion pass.
 """
 
 from __future__ import annotations
@@ -47,9 +48,19 @@ def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
     return out.to(out_dtype)
 
 
-def ops_for(config: QuantConfig) -> _FormatOps:
-    """The ops of a config's format (ValueError for a type no format registers)."""
-    return spec_of_config(config).ops(config)
+def _plain_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, in_fp32: bool) -> torch.Tensor:
+    """a @ b in `dtype` where a GEMM is not quantized; a BF16 one multiplied in FP32 and rounded
+    once where BF16 GEMMs compute in FP32 (ops.bf16_in_fp32), as FP32Gemms would."""
+    a, b = a.to(dtype), b.to(dtype)
+    if in_fp32 and dtype == torch.bfloat16:
+        return torch.mm(a.float(), b.float()).to(dtype)
+    return torch.mm(a, b)
+
+
+def ops_for(config: QuantConfig, device: torch.device | None = None) -> _FormatOps:
+    """The ops of a config's format (ValueError for a type no format registers); `device`: where
+    its GEMMs run, which decides their compute dtype (nvfp4_recipe/compute.py)."""
+    return spec_of_config(config).ops(config, device)
 
 
 class WeightOperandCache:
@@ -96,6 +107,9 @@ class _QuantizedLinear(torch.autograd.Function):
             else:  # bias added in FP32, then one rounding
                 y = emulated_gemm(activation, weight_operand, torch.float32, ops.gemm_out_dtype)
                 y = y.add_(bias.float()).to(x.dtype)
+        elif ops.bf16_in_fp32 and x.dtype == torch.bfloat16:
+            y = F.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
+            y = y.to(x.dtype)
         else:
             y = F.linear(x2d, weight, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -115,9 +129,9 @@ class _QuantizedLinear(torch.autograd.Function):
         dx = dw = db = None
         if not ops.config.quantize_backward:
             if ctx.needs_input_grad[0]:
-                dx = dy2d.mm(weight.to(dy2d.dtype))
+                dx = _plain_mm(dy2d, weight, dy2d.dtype, ops.bf16_in_fp32)
             if ctx.needs_input_grad[1]:
-                dw = dy2d.t().mm(x2d.to(dy2d.dtype))
+                dw = _plain_mm(dy2d.t(), x2d, dy2d.dtype, ops.bf16_in_fp32)
         else:
             if ctx.needs_input_grad[0]:  # Dgrad first, then Wgrad: a fixed order of SR draws
                 fprop = GemmOperand(saved_values, saved_scale) if saved_values is not None else None
@@ -157,7 +171,7 @@ def quantized_linear(
         if config is not None:
             ops_for(config)  # still reject unknown config types
         return F.linear(x, weight, bias)
-    ops = ops_for(config)
+    ops = ops_for(config, x.device)
     ops.check_shapes(x, weight)
     cache = weight_cache.for_config(config) if weight_cache is not None else None
     return _QuantizedLinear.apply(x, weight, bias, ops, generator, cache)

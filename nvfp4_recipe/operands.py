@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from nvfp4_recipe.compute import fp32_gemms_active
+from nvfp4_recipe.compute import emulated_gemms_in_fp32
 from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
 from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values, quantize_fp8_block
 from nvfp4_recipe.hadamard import rht_matrix
@@ -39,11 +39,14 @@ class _FormatOps:
     # K and N must be whole blocks (FP4 GEMMs); FP8 zero-pads a partial 128-block instead.
     whole_blocks_only = True
 
-    def __init__(self, config: QuantConfig) -> None:
+    def __init__(self, config: QuantConfig, device: torch.device | None = None) -> None:
         self.config = config
-        # The GEMM's output dtype, and its operands' (FP32 where BF16 GEMMs compute in FP32).
+        # The GEMM's output dtype, and its operands' (FP32 where BF16 GEMMs compute in FP32 on
+        # `device`: nvfp4_recipe/compute.py; None: only as a run decided, for the diagnostics).
         self.gemm_out_dtype = torch.bfloat16 if config.gemm == "fast" else torch.float32
-        self.gemm_dtype = torch.float32 if fp32_gemms_active() else self.gemm_out_dtype
+        self.bf16_in_fp32 = emulated_gemms_in_fp32(
+            device if device is not None else torch.device("meta"))
+        self.gemm_dtype = torch.float32 if self.bf16_in_fp32 else self.gemm_out_dtype
 
     def check_shapes(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -154,8 +157,8 @@ class _FP8BlockOps(_FormatOps):
     whole_blocks_only = False
     config: FP8BlockConfig
 
-    def __init__(self, config: FP8BlockConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: FP8BlockConfig, device: torch.device | None = None) -> None:
+        super().__init__(config, device)
         if not config.power_2_scales:  # q * (1/scale) is exact in bf16 only for power-of-two scales
             self.gemm_dtype = self.gemm_out_dtype = torch.float32
 

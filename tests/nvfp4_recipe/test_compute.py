@@ -220,3 +220,96 @@ def test_tf32_is_read_from_torch_and_named_on_the_start_up_line():
     on = gemm_compute("auto", "cuda", True, "compute capability 9.0", tf32=True)
     assert "TF32 matmuls are on" in on.describe() and on.dtype == BF16
     assert "TF32" not in gemm_compute("auto", "cuda", True, "compute capability 9.0").describe()
+
+
+# -- the machine decision, and the emulation deciding without a caller's mode ----------------------
+
+@pytest.mark.parametrize("onednn,x86,instructions,native", [
+    (True, True, True, True),     # AMD Zen 4, Intel Sapphire Rapids: AVX512-BF16 / AMX
+    (True, True, False, False),   # AVX-512 without BF16 instructions: oneDNN emulates BF16
+    (False, True, False, False),  # AVX2 (Zen 2/3), or ONEDNN_MAX_CPU_ISA=AVX2
+    (True, False, False, True),   # Arm with BF16: oneDNN's check asks for the extension itself
+    (False, False, False, False),  # Arm without it (Apple M1)
+])
+def test_which_cpus_multiply_bf16_natively(onednn, x86, instructions, native):
+    from nvfp4_recipe.compute import bf16_gemms_native
+
+    assert bf16_gemms_native(onednn, x86, instructions) is native
+
+
+def test_the_machine_is_probed_once_and_the_run_reads_the_same_value():
+    from model.device import probe_hardware
+    from nvfp4_recipe.compute import cpu_bf16_gemms_native
+
+    assert cpu_bf16_gemms_native() is cpu_bf16_gemms_native()
+    assert cpu_bf16_gemms_native.cache_info().currsize == 1
+    assert probe_hardware("cpu").bf16_gemms_native == cpu_bf16_gemms_native()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_emulation_decides_its_gemm_dtype_without_a_mode(monkeypatch, native):
+    """A library user calls nvfp4_linear with no mode: its operands are FP32 where this CPU has
+    no native BF16 GEMMs, BF16 where it has; a run's decision (GemmCompute.context()) wins either
+    way, and a CUDA device never follows the CPU's answer."""
+    import nvfp4_recipe.compute as compute
+    from nvfp4_recipe.config import NVFP4Config
+    from nvfp4_recipe.linear import ops_for
+
+    monkeypatch.setattr(compute, "cpu_bf16_gemms_native", lambda: native)
+    cpu = torch.device("cpu")
+    expected = BF16 if native else torch.float32
+    assert ops_for(NVFP4Config(), cpu).gemm_dtype == expected
+    assert ops_for(NVFP4Config(gemm="exact"), cpu).gemm_dtype == torch.float32
+    assert ops_for(NVFP4Config(), torch.device("cuda")).gemm_dtype == BF16
+    with GemmCompute(BF16, "forced").context():
+        assert ops_for(NVFP4Config(), cpu).gemm_dtype == BF16
+    with GemmCompute(torch.float32, "forced").context():
+        assert ops_for(NVFP4Config(), cpu).gemm_dtype == torch.float32
+    assert ops_for(NVFP4Config(), cpu).gemm_dtype == expected  # the decision does not leak
+
+
+@pytest.mark.parametrize("quantize", [(True, True), (False, True), (True, False)])
+def test_a_direct_call_without_native_bf16_computes_what_fp32gemms_computes(monkeypatch, quantize):
+    """Outside any mode on a CPU without native BF16 GEMMs, quantized_linear (its quantized and
+    unquantized GEMMs alike) returns what it returns under FP32Gemms, bit for bit, and runs no
+    BF16 GEMM (a mode that only watches the GEMMs' operand dtypes sees none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import nvfp4_recipe.compute as compute
+    from nvfp4_recipe.compute import GEMM_OPS
+    from nvfp4_recipe.config import NVFP4Config
+    from nvfp4_recipe.linear import quantized_linear
+
+    class GemmDtypes(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:  # the compiled quantizers: no GEMM there
+            return True
+
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in GEMM_OPS:
+                self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            return func(*args, **(kwargs or {}))
+
+    config = NVFP4Config(quantize_forward=quantize[0], quantize_backward=quantize[1])
+    x, w, b = rand(64, 256), rand(128, 256, seed=1), rand(128, seed=4)
+    dy = rand(64, 128, seed=2)
+
+    def run(mode):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        with mode:
+            y = quantized_linear(xs, ws, bs, config, torch.Generator().manual_seed(3))
+            y.backward(dy)
+        return y.detach(), xs.grad, ws.grad, bs.grad
+
+    monkeypatch.setattr(compute, "cpu_bf16_gemms_native", lambda: False)
+    watch = GemmDtypes()
+    direct = run(watch)
+    assert watch.seen == {torch.float32}
+    reference = run(FP32Gemms())
+    for got, ref in zip(direct, reference):
+        assert got.dtype == ref.dtype == BF16
+        assert torch.equal(got, ref)
