@@ -7,31 +7,47 @@
 #   WHEELS=.wheels bash launch/gpu_check.sh    # on the GPU machine: OUT=runs/gpu_check, < 10 min on one H200
 #   OUT=/tmp/x GPU_CHECK_QUICK=1 bash launch/gpu_check.sh   # CI (CPU mode): < 2 min on 2 cores
 #
-# Parts, in order; each is "ok", "FAILED (...)" or "skipped: <reason>" in $OUT/summary.md:
+# Parts, in order (correctness first, timings last); each is "ok", "FAILED (...)" or
+# "skipped: <reason>" in $OUT/summary.md:
 #   deps        installs what the check imports and the machine lacks: from $WHEELS offline with
 #               --no-deps into $GPU_CHECK_SITE (put first on PYTHONPATH; torch and the rest of the
 #               machine's environment untouched), or without WHEELS from the index, torch pinned
+#   gpu_path    launch/gpu_path_check.py --sections sdpa,scan,grad_norm (nothing to compile):
+#               SDPACoreAttention on megatron's fused-QKV views under each SDPA backend vs math in
+#               FP32, which backend torch picks; which Mamba scan runs; megatron's grad-norm fallback
 #   cuda_tests  tests/nvfp4_recipe/test_cuda_numerics.py: the NVFP4 emulation on CUDA is bit-exact to CPU,
 #               never synchronizes (set_sync_debug_mode "error"), FP32 GEMMs IEEE unless TF32 is on
-#   gpu_path    what the GPU path runs (launch/gpu_path_check.py): synchronizing calls in a trainer
-#               step by line, which SDPA kernel the portable attention gets (and its time against the
-#               old FP32 form), which Mamba scan runs, megatron's grad-norm fallback against
-#               torch._foreach_norm
 #   ssd_triton  mamba_ssm's Triton SSD scan vs the mixer's PyTorch scan, fwd+bwd (model/ssd_check.py)
-#   demo_bf16   DEMO_STEPS (GPU 30) steps of the demo: BF16 weights, megatron's DDP and distributed
-#               optimizer (DP=1), megatron's schedule (on CUDA), full activation recompute
-#   demo_nvfp4  the same with emulated NVFP4 GEMMs
+#   warmup      one step of the NVFP4 demo: compiles what the parts after it run (Triton SSD
+#               kernels, inductor's quantizers) into Triton's and inductor's disk caches
+#   gpu_sync    launch/gpu_path_check.py --sections sync: synchronizing calls per micro-batch
+#               (a 1- against a 2-micro-batch step), and the emulated linear under mode "error"
+#   demo_bf16   DEMO_STEPS + 2 (GPU 32) steps of the demo, a checkpoint at DEMO_STEPS: BF16 weights,
+#               megatron's DDP and distributed optimizer (DP=1, dp_reshardable state), megatron's
+#               schedule (on CUDA), full activation recompute
+#   resume      demo_bf16 resumed from its step-DEMO_STEPS checkpoint (training/safe_load.py) for
+#               the 2 last steps: the same losses as the uninterrupted run (launch/gpu_check_plan.py)
+#   demo_nvfp4  DEMO_STEPS steps with emulated NVFP4 GEMMs
 #   bench       python -m benchmarks.hardware: GEMMs at 12B shapes; training tokens/s and MFU of
 #               the demo and (GPU) of the ~1B hybrid, BF16 and NVFP4
-# Without CUDA it runs the same parts in CPU mode (tests and SSD skip with the reason, small demos
-# and the quick bench) and says so.
+# Without CUDA it runs the same parts in CPU mode (the CUDA parts skip with the reason, small
+# demos, the resume and the quick bench) and says so.
+#
+# Time: one command of the device tool may run 600 s. Before each part the script asks
+# launch/gpu_check_plan.py (decide) whether the part's estimate fits what is left of the budget
+# (GPU 540 s, CPU 900 s) and runs it under min(its limit, what is left); a part that does not fit
+# is skipped with the reason. The plan the estimates give is at the top of the summary; nothing of
+# it has been timed on a GPU yet. Compiles: every part that trains loads mamba_ssm's Triton SSD
+# kernels with MAMBA_DETERMINISTIC=1 (one config per autotuned kernel instead of ~200 configs;
+# mamba v2.3.2.post1 mamba_ssm/utils/determinism.py:59-77, also its deterministic reductions),
+# unless GPU_CHECK_AUTOTUNE=1; the warmup part compiles them once for the parts after it.
 #
 # Environment: OUT, PYTHON (default python, else python3), WHEELS (wheelhouse for an offline install),
 # GPU_CHECK_NO_INSTALL=1 (never install), GPU_CHECK_QUICK=1 (smallest settings), GPU_CHECK_PARTS
-# (comma list, default all), GPU_CHECK_BUDGET_S (whole run; GPU default 470 s), GPU_CHECK_SITE
-# (default .cache/gpu_check_site), DEMO_STEPS, BENCH_TRAIN_MODELS (GPU default demo,1b),
-# NVFP4_CACHE (demo corpus cache). Expected on one H200: ~7 min (untested: no GPU was available
-# when this was written). Exit status 0 when no part failed (skips are not failures), else 1.
+# (comma list, default all), GPU_CHECK_BUDGET_S (whole run; GPU default 540 s), GPU_CHECK_SITE
+# (default .cache/gpu_check_site), GPU_CHECK_AUTOTUNE=1 (mamba's full autotuning), DEMO_STEPS,
+# BENCH_TRAIN_MODELS (GPU default demo,1b), NVFP4_CACHE (demo corpus cache). Exit status 0 when no
+# part failed (skips are not failures), else 1.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -39,14 +55,16 @@ REPO=$(pwd)
 OUT=${OUT:-runs/gpu_check}
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 QUICK=${GPU_CHECK_QUICK:-0}
-PARTS=${GPU_CHECK_PARTS:-deps,cuda_tests,gpu_path,ssd_triton,demo_bf16,demo_nvfp4,bench}
+ALL_PARTS=deps,gpu_path,cuda_tests,ssd_triton,warmup,gpu_sync,demo_bf16,resume,demo_nvfp4,bench
+PARTS=${GPU_CHECK_PARTS:-$ALL_PARTS}
 SITE=${GPU_CHECK_SITE:-$REPO/.cache/gpu_check_site}
 mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 1; }
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
 # a rerun (e.g. of some parts) must not report an earlier run's results
-for f in deps.log deps.md deps_plan.txt deps_imports.txt cuda_tests.log cuda_tests.xml gpu_path.log gpu_path.json ssd_triton.log \
-         ssd_triton.json demo_bf16.log demo_nvfp4.log bench.log bench.json bench.md demo_bf16 demo_nvfp4; do
+for f in deps.log deps.md deps_plan.txt deps_imports.txt plan.txt cuda_tests.log cuda_tests.xml gpu_path.log gpu_path.json \
+         ssd_triton.log ssd_triton.json warmup.log warmup gpu_sync.log gpu_sync.json demo_bf16.log demo_bf16 \
+         resume.log resume demo_nvfp4.log demo_nvfp4 bench.log bench.json bench.md; do
     rm -rf "${OUT:?}/$f"
 done
 : > "$LOG"
@@ -60,17 +78,8 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     say "PyTorch is not importable with PYTHON=$PYTHON: install a CUDA build of torch first"; exit 1
 fi
 if [ "$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then MODE=gpu; else MODE=cpu; fi
-if [ "$MODE" = gpu ]; then
-    BUDGET=${GPU_CHECK_BUDGET_S:-570}  # the whole run, < 10 min; a part gets min(its limit, what is left)
-    # LIMIT_TESTS: cold compiles dominate. test_cuda_numerics compiles the quantizer kernels with
-    # inductor + Triton (dynamic shapes: ~11 graphs, per input dtype, output and rounding), estimated
-    # 4-8 s each cold -> 45-90 s, plus ~25 s of tests and CUDA start-up: ~70-115 s; 180 s leaves
-    # 1.5x of the upper estimate (75 s did not cover it). Later parts reuse inductor's disk cache.
-    LIMIT_DEPS=60 LIMIT_TESTS=180 LIMIT_GPU_PATH=150 LIMIT_SSD=120 LIMIT_DEMO_BF16=75 LIMIT_DEMO_NVFP4=90 LIMIT_BENCH=180
-else
-    BUDGET=${GPU_CHECK_BUDGET_S:-900}  # CPU limits leave room for a loaded CI machine
-    LIMIT_DEPS=120 LIMIT_TESTS=120 LIMIT_GPU_PATH=60 LIMIT_SSD=60 LIMIT_DEMO_BF16=180 LIMIT_DEMO_NVFP4=180 LIMIT_BENCH=330
-fi
+# The budget and each part's estimate and limit: launch/gpu_check_plan.py (BUDGET_S, GPU_PARTS, CPU_PARTS).
+BUDGET=${GPU_CHECK_BUDGET_S:-$("$PYTHON" -c "from launch.gpu_check_plan import BUDGET_S; print(BUDGET_S['$MODE'])")}
 KILL_AFTER=10
 
 selected() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -80,17 +89,21 @@ record() {  # NAME STATUS SECONDS
     write_summary
 }
 
-# Run one part under a time limit. Usage: part NAME LIMIT_S CMD... A command reports "skipped" by
-# printing "skipped: <reason>" as its last line and exiting 77; a pytest part whose tests were all
-# skipped (junit file in $JUNIT) is reported skipped with pytest's first reason.
+# Run one part, if launch/gpu_check_plan.py says it fits what is left of the budget, under the
+# limit it gives. Usage: part NAME CMD... A command reports "skipped" by printing
+# "skipped: <reason>" as its last line and exiting 77; a pytest part whose tests were all skipped
+# (junit file in $JUNIT) is reported skipped with pytest's first reason.
 part() {
-    local name=$1 limit=$2; shift 2
+    local name=$1; shift
     if ! selected "$name"; then record "$name" "skipped: not in GPU_CHECK_PARTS=$PARTS" 0; return 0; fi
-    local left=$(( BUDGET - ($(date +%s) - START) - KILL_AFTER - 5 ))
-    if [ "$left" -lt 15 ]; then
-        record "$name" "skipped: the run's ${BUDGET} s budget (GPU_CHECK_BUDGET_S) is spent" 0; return 0
-    fi
-    [ "$left" -lt "$limit" ] && limit=$left
+    local left decision limit
+    left=$(( BUDGET - ($(date +%s) - START) - KILL_AFTER - 5 ))
+    decision=$("$PYTHON" -m launch.gpu_check_plan decide --mode "$MODE" --part "$name" --left "$left" --budget "$BUDGET" 2>> "$LOG")
+    case "$decision" in
+        "run "*) limit=${decision#run } ;;
+        "skip "*) say "$name: skipped: ${decision#skip }"; record "$name" "skipped: ${decision#skip }" 0; return 0 ;;
+        *) record "$name" "FAILED (launch/gpu_check_plan.py decide gave '$decision', see gpu_check.log)" 0; return 0 ;;
+    esac
     local t0 rc status
     t0=$(date +%s)
     say "== $name (limit ${limit} s): $*"
@@ -130,10 +143,21 @@ write_summary() {
         echo "|---|---|---|"
         printf '%s\n' "${RESULTS[@]}"
         echo
+        if [ -f "$OUT/plan.txt" ]; then
+            echo "Planned from the parts' estimates (launch/gpu_check_plan.py; decided again before each part with the time left):"
+            sed 's/^/- /' "$OUT/plan.txt"; echo
+        fi
+        [ -n "${COMPILE_NOTE:-}" ] && echo "$COMPILE_NOTE" && echo
         [ -f "$OUT/deps.md" ] && cat "$OUT/deps.md" && echo
-        if [ -f "$OUT/gpu_path.log" ] && grep -q "^\(sync\|sdpa\|scan\|grad_norm\): " "$OUT/gpu_path.log"; then
-            echo "## gpu_path (launch/gpu_path_check.py; numbers in gpu_path.json)"; echo
-            grep "^\(sync\|sdpa\|scan\|grad_norm\): " "$OUT/gpu_path.log" | sed 's/^/- /'; echo
+        local f
+        for f in gpu_path gpu_sync; do
+            if [ -f "$OUT/$f.log" ] && grep -q "^\(sync\|sdpa\|scan\|grad_norm\): " "$OUT/$f.log"; then
+                echo "## $f (launch/gpu_path_check.py; numbers in $f.json)"; echo
+                grep "^\(sync\|sdpa\|scan\|grad_norm\): " "$OUT/$f.log" | sed 's/^/- /'; echo
+            fi
+        done
+        if [ -f "$OUT/resume.log" ] && grep -q "^resume: " "$OUT/resume.log"; then
+            echo "## resume"; echo; grep "^resume: " "$OUT/resume.log" | tail -n 1 | sed 's/^/- /'; echo
         fi
         if [ -f "$OUT/ssd_triton.log" ] && grep -q "^mamba_chunk_scan_combined:" "$OUT/ssd_triton.log"; then
             echo "## ssd_triton (relative L2 error vs the float64 PyTorch scan)"; echo; echo '```'
@@ -162,14 +186,14 @@ for name in ("demo_bf16", "demo_nvfp4"):
     if config.exists():
         keys = {}
         section = None
+        wanted = ("distributed_optimizer", "recompute", "recompute_method", "recompute_layers", "checkpoint_layout")
         for line in config.read_text().splitlines():
             if line and not line.startswith(" "):
                 section = line.rstrip(":")
-            elif section == "trainer" and line.strip().split(":")[0] in (
-                    "distributed_optimizer", "recompute", "recompute_method", "recompute_layers"):
+            elif section == "trainer" and line.strip().split(":")[0] in wanted:
                 k, v = line.strip().split(":", 1)
                 keys[k] = v.strip()
-        print("  - config: " + ", ".join(f"trainer.{k}={v}" for k, v in keys.items()))
+        print("  - config: " + ", ".join(f"trainer.{k}={keys[k]}" for k in wanted if k in keys))
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith(("parallel:", "mixed precision:", "model paths:", "device:")) or re.match(r"precision \w+: ", line):
             print(f"  - {line.strip()}")
@@ -293,6 +317,10 @@ EOF
     record deps "$status" $(( $(date +%s) - t0 ))
 }
 
+LIMIT_DEPS=$("$PYTHON" -c "from launch.gpu_check_plan import part_named; print(part_named('$MODE', 'deps').limit_s)")
+"$PYTHON" -m launch.gpu_check_plan plan --mode "$MODE" --budget "$BUDGET" --parts "$PARTS" > "$OUT/plan.txt" 2>> "$LOG"
+say "plan for a ${BUDGET} s budget: $(paste -sd ';' "$OUT/plan.txt")"
+
 # what deps installs (now or in an earlier run) comes first on every part's path
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if selected deps; then deps; else record deps "skipped: not in GPU_CHECK_PARTS=$PARTS" 0; fi
@@ -317,23 +345,50 @@ elif [ "$MODE" = gpu ]; then
 else
     BENCH_ARGS=(--quick); DEMO_STEPS=${DEMO_STEPS:-4}; DEMO_SHAPE=(trainer.seq_length=128 trainer.global_batch_size=4 trainer.micro_batch_size=2)
 fi
+RESUME_STEPS=2  # steps trained after the checkpoint, once uninterrupted and once resumed
 # BF16 weights with FP32 main grads, megatron's DDP + distributed optimizer (DP=1 here) and, on
 # CUDA, megatron's forward-backward schedule (training/ddp_optimizer.py, training/schedules.py),
-# full recompute of every layer.
-DEMO_COMMON=(trainer.max_steps="$DEMO_STEPS" trainer.warmup_steps=2 trainer.eval_every=1000000
-             trainer.save_every=1000000 trainer.eval_batches=1 logger.mode=disabled run.resume=never
+# full recompute of every layer. No run.resume here: each part sets its own (hydra refuses two).
+DEMO_COMMON=(trainer.warmup_steps=2 trainer.eval_every=1000000 trainer.eval_batches=1 logger.mode=disabled
              trainer.distributed_optimizer=true trainer.recompute=full "${DEMO_SHAPE[@]}")
+# demo_bf16 and its resume: the same command but run.dir/run.resume; a checkpoint at DEMO_STEPS
+# (and the last step), its optimizer state in the dp_reshardable layout (training/config.py).
+RESUMABLE=(precision=bf16 trainer.max_steps=$(( DEMO_STEPS + RESUME_STEPS )) trainer.save_every="$DEMO_STEPS"
+           trainer.keep_last=0 trainer.checkpoint_layout=dp_reshardable "${DEMO_COMMON[@]}")
+if [ "$MODE" = gpu ]; then
+    # step DEMO_STEPS+1 reads only restored state: bitwise; the next may differ by atomics'
+    # summation order in a backward (embedding gradients) from run to run
+    RESUME_RTOL=1e-3
+else
+    RESUME_RTOL=0  # CPU kernels add in a fixed order: every step bitwise
+fi
 
-# -- 3. the parts ---------------------------------------------------------------------------------
+# Triton SSD kernels at one config each (see the header), unless asked to autotune; cached
+# autotuning (TRITON_CACHE_AUTOTUNING=1, triton >= 3.4) would bring every config back.
+if [ "${GPU_CHECK_AUTOTUNE:-0}" = 1 ]; then
+    TRAIN_ENV=(env)
+    COMPILE_NOTE="mamba_ssm's Triton kernels: fully autotuned (GPU_CHECK_AUTOTUNE=1)."
+else
+    TRAIN_ENV=(env -u TRITON_CACHE_AUTOTUNING MAMBA_DETERMINISTIC=1)
+    COMPILE_NOTE="mamba_ssm's Triton kernels in the parts that train (warmup, gpu_sync, demos, resume, bench): one config per kernel and mamba's deterministic reductions (MAMBA_DETERMINISTIC=1), so their tokens/s are a lower bound; GPU_CHECK_AUTOTUNE=1 autotunes."
+fi
+
+# -- 3. the parts: correctness first ----------------------------------------------------------------
+part gpu_path "$PYTHON" -m launch.gpu_path_check --sections sdpa,scan,grad_norm --json "$OUT/gpu_path.json"
 # the Triton SSD tests of test_cuda_numerics.py run in their own part (one Triton compile)
-JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$LIMIT_TESTS" "$PYTHON" -m pytest -q -rs tests/nvfp4_recipe/test_cuda_numerics.py \
+JUNIT="$OUT/cuda_tests.xml" part cuda_tests "$PYTHON" -m pytest -q -rs tests/nvfp4_recipe/test_cuda_numerics.py \
     -k "not triton_ssd" --junitxml="$OUT/cuda_tests.xml" -p no:cacheprovider
-part gpu_path "$LIMIT_GPU_PATH" "$PYTHON" -m launch.gpu_path_check --json "$OUT/gpu_path.json"
-part ssd_triton "$LIMIT_SSD" "$PYTHON" -m model.ssd_check --json "$OUT/ssd_triton.json"
-part demo_bf16 "$LIMIT_DEMO_BF16" "$PYTHON" train.py precision=bf16 run.dir="$OUT/demo_bf16" "${DEMO_COMMON[@]}"
-part demo_nvfp4 "$LIMIT_DEMO_NVFP4" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \
-    run.dir="$OUT/demo_nvfp4" "${DEMO_COMMON[@]}"
-part bench "$LIMIT_BENCH" "$PYTHON" -m benchmarks.hardware "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
+part ssd_triton "$PYTHON" -m model.ssd_check --json "$OUT/ssd_triton.json"
+part warmup "${TRAIN_ENV[@]}" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated run.dir="$OUT/warmup" \
+    run.resume=never trainer.max_steps=1 trainer.save_every=1000000 "${DEMO_COMMON[@]}"
+part gpu_sync "${TRAIN_ENV[@]}" "$PYTHON" -m launch.gpu_path_check --sections sync --json "$OUT/gpu_sync.json"
+part demo_bf16 "${TRAIN_ENV[@]}" "$PYTHON" train.py run.dir="$OUT/demo_bf16" run.resume=never "${RESUMABLE[@]}"
+part resume "${TRAIN_ENV[@]}" "$PYTHON" -m launch.gpu_check_plan resume --demo "$OUT/demo_bf16" --into "$OUT/resume" \
+    --from-step "$DEMO_STEPS" --rtol "$RESUME_RTOL" -- \
+    "$PYTHON" train.py run.dir="$OUT/resume" run.resume=auto "${RESUMABLE[@]}"
+part demo_nvfp4 "${TRAIN_ENV[@]}" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \
+    run.dir="$OUT/demo_nvfp4" run.resume=never trainer.max_steps="$DEMO_STEPS" trainer.save_every=1000000 "${DEMO_COMMON[@]}"
+part bench "${TRAIN_ENV[@]}" "$PYTHON" -m benchmarks.hardware "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
 
 # -- 4. summary -----------------------------------------------------------------------------------
 write_summary

@@ -1,11 +1,15 @@
 """The pieces of the offline GPU check that can be proven on CPU: the Triton-SSD comparison's
-loader and its verdicts (model/ssd_check.py), and the offline install of launch/gpu_check.sh.
-The script's whole CPU mode runs in tests/benchmarks/test_bench.py."""
+loader and its verdicts (model/ssd_check.py), the offline install of launch/gpu_check.sh, its
+time plan and resume verdict (launch/gpu_check_plan.py), the GPU-path verdicts
+(launch/gpu_path_check.py: syncs per micro-batch from recorded warnings, SDPA backends), and the
+script's whole CPU mode."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 import subprocess
 import sys
 import zipfile
@@ -170,8 +174,11 @@ def test_parts_past_the_runs_budget_are_skipped_with_the_reason(tmp_path):
                           text=True, timeout=300)
     summary = (out / "summary.md").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:]  # skipped is not failed
-    for name in ("cuda_tests", "gpu_path", "ssd_triton", "demo_bf16", "demo_nvfp4", "bench"):
-        assert f"| {name} | skipped: the run's 20 s budget (GPU_CHECK_BUDGET_S) is spent |" in summary
+    for name in ("gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync", "demo_bf16", "resume",
+                 "demo_nvfp4", "bench"):
+        assert re.search(rf"^\| {name} \| skipped: needs ~\d+ s, \d+ s of the run's 20 s budget "
+                         r"\(GPU_CHECK_BUDGET_S\) left \|", summary, flags=re.M), name
+    assert "Planned from the parts' estimates" in summary
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip")
@@ -183,8 +190,251 @@ def test_gpu_path_check_skips_without_cuda_and_names_lines_by_repository_path(ca
 
     assert gpu_path_check.main([]) == gpu_path_check.SKIP_EXIT
     assert capsys.readouterr().out.strip() == "skipped: needs a CUDA device; none visible to torch"
-    assert gpu_path_check._where(str(REPO / "nvfp4_recipe" / "nvfp4.py")).startswith(
-        gpu_path_check.OURS_PER_MICRO_BATCH)
+    assert gpu_path_check._where(str(REPO / "nvfp4_recipe" / "nvfp4.py")).startswith(gpu_path_check.OURS)
     import megatron.core.optimizer.clip_grads as clip
 
     assert gpu_path_check._where(clip.__file__) == "megatron/core/optimizer/clip_grads.py"
+
+
+# -- syncs per micro-batch (part gpu_sync) ----------------------------------------------------------
+
+def _recorded(calls):
+    """Warning records as torch's set_sync_debug_mode("warn") leaves them: (file, line, message)."""
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for filename, lineno, message in calls:
+            warnings.warn_explicit(message, UserWarning, filename, lineno)
+    return records
+
+
+def test_per_micro_batch_syncs_leave_out_the_per_step_reads():
+    from launch import gpu_path_check as g
+
+    sync = "called a synchronizing CUDA operation"
+    controller = (str(REPO / "nvfp4_recipe/megatron/controller.py"), 110, sync)  # diagnostics, once a step
+    optimizer = ("/venv/lib/python3.12/site-packages/megatron/core/optimizer/clip_grads.py", 200, sync)
+    schedule = ("/venv/lib/python3.12/site-packages/megatron/core/pipeline_parallel/schedules.py", 596, sync)
+    ours = (str(REPO / "nvfp4_recipe/nvfp4.py"), 42, sync)  # a bug: one read per micro-batch
+    other = (str(REPO / "training/schedules.py"), 90, "some other warning")
+    one = _recorded([controller, optimizer, optimizer, schedule, ours, other])
+    two = _recorded([schedule, ours, controller, schedule, optimizer, ours, other, optimizer])
+    extra = g.per_micro_batch_syncs(one, two)
+    assert extra == {"megatron/core/pipeline_parallel/schedules.py:596": 1, "nvfp4_recipe/nvfp4.py:42": 1}
+    assert g.ours(extra) == {"nvfp4_recipe/nvfp4.py:42": 1}
+    # the filter the check used before: every sync of a step from nvfp4_recipe/, the controller's too
+    assert "nvfp4_recipe/megatron/controller.py:110" in g.sync_lines(two)
+    # a healthy step: per-step reads only, however many -> nothing per micro-batch
+    healthy_two = _recorded([controller, optimizer, optimizer, schedule, schedule])
+    assert g.ours(g.per_micro_batch_syncs(_recorded([controller, optimizer, optimizer, schedule]),
+                                          healthy_two)) == {}
+    # fewer syncs with two micro-batches is not negative: nothing listed
+    assert g.per_micro_batch_syncs(one, _recorded([controller])) == {}
+
+
+# -- SDPA on the project's layout (part gpu_path) ---------------------------------------------------
+
+def test_sdpa_backend_names_and_verdict():
+    from launch import gpu_path_check as g
+
+    assert g.backend_from_ops(["aten::linear", "aten::_scaled_dot_product_cudnn_attention"]) == "cudnn"
+    assert g.backend_from_ops(["aten::_scaled_dot_product_flash_attention_for_cpu"]) == "flash"
+    assert g.backend_from_ops(["aten::_scaled_dot_product_efficient_attention_backward"]) == "efficient"
+    assert g.backend_from_ops(["aten::_scaled_dot_product_attention_math"]) == "math"
+    assert g.backend_from_ops(["aten::mm"]) is None
+    good = {"math": {"errors": {"out": 3e-3, "dqkv": 5e-3}},
+            "cudnn": {"errors": {"out": 4e-3, "dqkv": 9e-3}},
+            "flash": {"errors": {"out": 3e-3, "dqkv": 6e-3}},
+            "efficient": {"rejected": "Efficient attention does not support enable_gqa"}}
+    assert g.sdpa_verdict(good, "cudnn") == (True, [])
+    ok, problems = g.sdpa_verdict({**good, "flash": {"errors": {"out": 3e-3, "dqkv": 0.4}}}, "cudnn")
+    assert not ok and problems == ["flash dqkv: relative error 4.00e-01 > 2.00e-02"]
+    assert not g.sdpa_verdict({**good, "cudnn": {"errors": {"out": float("nan"), "dqkv": 0.0}}}, "cudnn")[0]
+    # a noisier baseline lets fused kernels be proportionally noisier (SDPA_FACTOR), not more
+    noisy = {**good, "math": {"errors": {"out": 3e-3, "dqkv": 1e-2}},
+             "flash": {"errors": {"out": 3e-3, "dqkv": 3.9e-2}}}
+    assert g.sdpa_verdict(noisy, "flash")[0] and not g.sdpa_verdict(
+        {**noisy, "flash": {"errors": {"out": 3e-3, "dqkv": 4.1e-2}}}, "flash")[0]
+    assert g.sdpa_verdict(good, "math") == (False, ["torch picks the math fallback for this layout"])
+    assert not g.sdpa_verdict(good, None)[0]
+    rejected = {b: {"rejected": "no"} for b in ("cudnn", "flash", "efficient")}
+    assert "every fused backend rejects this layout" in g.sdpa_verdict({**good, **rejected}, "math")[1]
+    assert not g.sdpa_verdict({"flash": good["flash"]}, "flash")[0]  # no baseline, no verdict
+
+
+def test_sdpa_check_runs_the_project_attention_on_fused_qkv_views(monkeypatch):
+    """The sdpa section itself, on CPU at a small shape: SDPACoreAttention on strided views of one
+    fused QKV buffer, each backend forced, BF16 against FP32 math. On a CPU torch has the flash
+    kernel (its _for_cpu form) and math; cuDNN and mem-efficient refuse."""
+    from launch import gpu_path_check as g
+
+    mixed, q, k, v = g._fused_qkv_views(16, 2, 8, 2, 32, torch.float32, "cpu")
+    # k and v: strided views into the fused buffer (after each group's 4 query heads); q: the copy
+    # megatron's reshape of the per-group query makes; all three permuted by SDPACoreAttention
+    assert not k.is_contiguous() and not v.is_contiguous() and q.is_contiguous()
+    assert k.data_ptr() == mixed.data_ptr() + 4 * 32 * 4 and v.data_ptr() == k.data_ptr() + 32 * 4
+    assert k.stride() == (2 * 2 * 6 * 32, 2 * 6 * 32, 6 * 32, 1)
+    out = {}
+    assert g.check_sdpa(out, "cpu", (("tiny", 48, 2, 8, 2, 32),))
+    r = out["sdpa"]["tiny"]
+    assert r["picked"] == "flash" and r["problems"] == []
+    assert set(r["backends"]) == set(g.SDPA_BACKENDS)
+    assert "rejected" in r["backends"]["cudnn"] and "rejected" in r["backends"]["efficient"]
+    for backend in ("flash", "math"):
+        errors = r["backends"][backend]["errors"]
+        assert set(errors) == {"out", "dqkv"} and 0 < max(errors.values()) < g.SDPA_FLOOR
+    # a fused kernel that gets the head grouping wrong is caught: query head h with K/V group
+    # h % groups (what repeat, not repeat_interleave, gives) instead of h // (heads / groups)
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def wrong_when_fused(q, k, v, enable_gqa=False, **kw):
+        if not enable_gqa or torch.backends.cuda.math_sdp_enabled():  # math: the reference stays right
+            return real(q, k, v, enable_gqa=enable_gqa, **kw)
+        reps = q.shape[1] // k.shape[1]
+        return real(q, k.repeat(1, reps, 1, 1), v.repeat(1, reps, 1, 1), **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", wrong_when_fused)
+    bad = {}
+    assert not g.check_sdpa(bad, "cpu", (("tiny", 48, 2, 8, 2, 32),))
+    assert any("relative error" in p for p in bad["sdpa"]["tiny"]["problems"])
+
+
+# -- the time plan ---------------------------------------------------------------------------------
+
+def test_gpu_plan_runs_correctness_first_and_fits_one_command():
+    from launch.gpu_check_plan import BUDGET_S, GPU_PARTS, plan
+
+    names = [p.name for p in GPU_PARTS]
+    assert names == ["deps", "gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync", "demo_bf16",
+                     "resume", "demo_nvfp4", "bench"]
+    budget = BUDGET_S["gpu"]
+    rows = {r["part"]: r for r in plan(GPU_PARTS, budget)}
+    for name in names[:-1]:
+        assert rows[name]["run"], rows[name]
+    assert not rows["bench"]["run"] and rows["bench"]["reason"].startswith("needs ~120 s, 60 s of the run's 540 s")
+    assert sum(p.estimate_s for p in GPU_PARTS if rows[p.name]["run"]) <= budget
+    # the worst case: every part runs to its limit and is then killed (kill-after 10 s, as the
+    # script's part() leaves 5 s more): the run still ends within the device's 600 s command
+    # with the 60 s the script keeps for the machine probe, CUDA start-up and the summary.
+    from launch.gpu_check_plan import decide
+
+    elapsed, kill_after = 0.0, 10
+    for part in GPU_PARTS:
+        limit, _ = decide(part, budget - elapsed - kill_after - 5, budget)
+        if limit is not None:
+            elapsed += limit + kill_after
+    assert elapsed <= budget and budget + 60 <= 600
+
+
+def test_decide_caps_the_limit_and_skips_with_the_reason():
+    from launch.gpu_check_plan import MIN_PART_S, Part, decide, plan
+
+    part = Part("x", 40, 90, "")
+    assert decide(part, 500, 540) == (90, "")
+    assert decide(part, 60, 540) == (60, "")  # never past the budget
+    assert decide(part, 39, 540) == (None, "needs ~40 s, 39 s of the run's 540 s budget (GPU_CHECK_BUDGET_S) left")
+    assert decide(Part("y", 1, 90, ""), MIN_PART_S - 1, 540)[0] is None
+    assert decide(part, -7, 540)[1].startswith("needs ~40 s, 0 s of")
+    parts = [Part("a", 50, 60, ""), Part("b", 50, 60, ""), Part("c", 10, 20, "")]
+    rows = plan(parts, 100, selected={"a", "b", "c"})
+    assert [(r["part"], r["run"], r["limit_s"]) for r in rows] == [("a", True, 60), ("b", True, 50), ("c", False, None)]
+    assert plan(parts, 100, selected={"b"})[0]["reason"] == "not in GPU_CHECK_PARTS"
+
+
+def test_plan_and_decide_from_the_command_line(capsys):
+    from launch import gpu_check_plan
+
+    assert gpu_check_plan.main(["decide", "--mode", "gpu", "--part", "warmup", "--left", "500"]) == 0
+    assert capsys.readouterr().out == "run 150\n"
+    assert gpu_check_plan.main(["decide", "--mode", "gpu", "--part", "bench", "--left", "60", "--budget", "540"]) == 0
+    assert capsys.readouterr().out.startswith("skip needs ~120 s, 60 s")
+    assert gpu_check_plan.main(["plan", "--mode", "gpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "deps: runs (limit 60 s)" and lines[-1].startswith("bench: skipped: needs ~120 s")
+
+
+# -- resume (part resume) --------------------------------------------------------------------------
+
+def test_compare_resumed_losses():
+    from launch.gpu_check_plan import compare_resumed, read_losses
+
+    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10, "lr": 1e-3}) for s in range(1, 33)]
+    lines.insert(5, json.dumps({"step": 30, "val_loss": 4.0}))  # a validation record: no "loss"
+    full = read_losses(lines + [""])
+    assert len(full) == 32 and full[30] == 2.0
+    resumed = {31: full[31], 32: full[32]}
+    ok, line = compare_resumed(full, resumed, 30, rtol=0, exact_steps=1)
+    assert ok and "steps 31-32 from the step-30 checkpoint" in line
+    # the first step after the checkpoint must be bitwise; the next within rtol
+    assert not compare_resumed(full, {**resumed, 31: full[31] * (1 + 1e-7)}, 30, 1e-3, 1)[0]
+    assert compare_resumed(full, {**resumed, 32: full[32] * (1 + 1e-4)}, 30, 1e-3, 1)[0]
+    assert not compare_resumed(full, {**resumed, 32: full[32] * (1 + 1e-4)}, 30, 0, 1)[0]
+    assert not compare_resumed(full, {**resumed, 32: full[32] * 1.01}, 30, 1e-3, 1)[0]
+    assert compare_resumed(full, {31: full[31]}, 30, 0, 1) == (False, "the resumed run logged no loss for steps [32]")
+    assert "trained steps [29, 31]"[:13] in compare_resumed(full, {29: 1.0, **resumed}, 30, 0, 1)[1]
+    assert not compare_resumed(full, {**resumed, 31: float("nan")}, 30, 0, 1)[0]
+    assert compare_resumed({1: 1.0}, {}, 30, 0, 1) == (False, "the uninterrupted run logged no step after 30")
+
+
+def test_resume_demo_copies_one_checkpoint_and_checks_what_the_run_said(tmp_path):
+    """The part's plumbing with a stand-in trainer: only the chosen checkpoint is copied, the run
+    must say it resumed from it, and its losses are compared."""
+    from launch.gpu_check_plan import resume_demo, step_dir
+
+    demo, into = tmp_path / "demo", tmp_path / "resumed"
+    for step in (2, 4):
+        step_dir(demo, step).mkdir(parents=True)
+        (step_dir(demo, step) / "manifest.json").write_text(json.dumps({"optimizer_layout": "dp_reshardable"}))
+    (demo / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(1, 5)))
+    fake = ("import json, pathlib, sys\n"
+            "d = pathlib.Path(sys.argv[1]); ckpts = sorted(p.name for p in (d / 'checkpoints').iterdir())\n"
+            "assert ckpts == ['step_0000002'], ckpts\n"
+            "print('resumed from', d / 'checkpoints' / ckpts[0], 'at step 2')\n"
+            "(d / 'metrics.jsonl').write_text(''.join(json.dumps({'step': s, 'loss': 9.0 - s + float(sys.argv[2])})"
+            " + '\\n' for s in (3, 4)))\n")
+    run = [sys.executable, "-c", fake, str(into)]
+    ok, why = resume_demo(demo, into, 2, 0.0, 1, run + ["0"])
+    assert ok and why.endswith("; optimizer state dp_reshardable"), why
+    ok, why = resume_demo(demo, into, 2, 0.0, 1, run + ["0.5"])
+    assert not ok and why.startswith("step 3: loss 6.5 resumed vs 6.0 uninterrupted")
+    ok, why = resume_demo(demo, into, 2, 0.0, 1, [sys.executable, "-c", "print('started afresh')"])
+    assert not ok and "did not say `resumed from`" in why
+    ok, why = resume_demo(demo, into, 3, 0.0, 1, run + ["0"])
+    assert not ok and "step_0000003 does not exist" in why and "step_0000002" in why
+    (step_dir(demo, 2) / "manifest.json").write_text(json.dumps({"optimizer_layout": "fully_reshardable"}))
+    assert resume_demo(demo, into, 2, 0.0, 1, run + ["0"]) == (
+        False, "the checkpoint holds the optimizer state in layout 'fully_reshardable', not 'dp_reshardable'")
+
+
+@pytest.mark.slow
+def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp_path, data_cache):
+    """`OUT=... GPU_CHECK_QUICK=1 bash launch/gpu_check.sh` without CUDA: the CUDA parts skip with
+    the reason, the warm-up, the demos, the resume (same losses, bitwise on CPU) and the bench pass."""
+    out = tmp_path / "gpu_check"
+    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(out), "GPU_CHECK_QUICK": "1", "COLUMNS": "200",
+                               "PYTHON": sys.executable, "GPU_CHECK_NO_INSTALL": "1",
+                               "GPU_CHECK_SITE": str(tmp_path / "site"), "NVFP4_CACHE": str(data_cache)},
+                          timeout=600)
+    summary = (out / "summary.md").read_text()
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rows = re.findall(r"^\| (\w+) \| (.+) \| \d+ s \|$", summary, flags=re.M)
+    assert [name for name, _ in rows] == ["deps", "gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync",
+                                          "demo_bf16", "resume", "demo_nvfp4", "bench"]
+    status = dict(rows)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-mode rows below are for a machine without CUDA")
+    for name in ("gpu_path", "gpu_sync"):
+        assert status[name] == "skipped: needs a CUDA device; none visible to torch", name
+    assert status["cuda_tests"] == "skipped: needs a CUDA device (none visible to torch)"
+    assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
+    for name in ("deps", "warmup", "demo_bf16", "resume", "demo_nvfp4", "bench"):
+        assert status[name] == "ok", (name, status[name])
+    # demo_bf16 ran 2 + 2 steps with a checkpoint at 2; the resume trained steps 3-4 from it, bitwise
+    assert re.search(r"- demo_bf16: 4 steps, loss [0-9.]+ -> [0-9.]+", summary)
+    assert re.search(r"- resume: ok: steps 3-4 from the step-2 checkpoint: losses 3: [0-9.]+, 4: [0-9.]+, "
+                     r"equal to the uninterrupted run's \(largest relative difference 0\.0e\+00; first 1 bitwise\); "
+                     r"optimizer state dp_reshardable", summary)
+    assert (out / "resume" / "checkpoints" / "step_0000004").is_dir()
+    assert "resumed from" in (out / "resume.log").read_text()
+    assert "Planned from the parts' estimates" in summary and "- bench: runs (limit" in summary
+    assert "MAMBA_DETERMINISTIC=1" in summary
