@@ -57,6 +57,29 @@ def _plain_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, in_fp32: boo
     return torch.mm(a, b)
 
 
+def _in_backward() -> bool:
+    """Whether this thread is running a backward pass (autograd's graph task): a forward run there
+    is a recompute (megatron's CheckpointFunction reruns the forward inside the backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@torch.no_grad()
+def fold_input_amax(into: torch.Tensor, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+    """into <- max(into, max |x|), in place on the device, no host sync; a non-finite max |x|
+    counts as 0. `amax`: max |x| as a quantizer already computed it (NVFP4's tensor amax, the
+    same value); otherwise one aminmax pass over x (no full-size |x| temporary). A recompute's
+    forward (inside a backward) records nothing: the first forward recorded the same input."""
+    if _in_backward():
+        return
+    if amax is None:
+        if x.numel() == 0:
+            return
+        low, high = torch.aminmax(x.detach())
+        amax = torch.maximum(high.float(), low.float().neg())  # NaN in either propagates
+    seen = torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    torch.maximum(into, seen, out=into)
+
+
 def ops_for(config: QuantConfig, device: torch.device | None = None) -> _FormatOps:
     """The ops of a config's format (ValueError for a type no format registers); `device`: where
     its GEMMs run, which decides their compute dtype (nvfp4_recipe/compute.py)."""
@@ -90,7 +113,7 @@ class WeightOperandCache:
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ops: _FormatOps, generator,
-                cache: WeightOperandCache | None = None):
+                cache: WeightOperandCache | None = None, input_amax: torch.Tensor | None = None):
         config = ops.config
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
@@ -102,16 +125,21 @@ class _QuantizedLinear(torch.autograd.Function):
                 if cache is not None:
                     cache.fprop = weight_operand
             activation = ops.activation(x2d)
+            if input_amax is not None:  # the quantizer's tensor amax where it has one
+                fold_input_amax(input_amax, x2d, activation.amax)
             if bias is None:
                 y = emulated_gemm(activation, weight_operand, x.dtype, ops.gemm_out_dtype)
             else:  # bias added in FP32, then one rounding
                 y = emulated_gemm(activation, weight_operand, torch.float32, ops.gemm_out_dtype)
                 y = y.add_(bias.float()).to(x.dtype)
-        elif ops.bf16_in_fp32 and x.dtype == torch.bfloat16:
-            y = F.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
-            y = y.to(x.dtype)
         else:
-            y = F.linear(x2d, weight, bias)
+            if input_amax is not None:
+                fold_input_amax(input_amax, x2d)
+            if ops.bf16_in_fp32 and x.dtype == torch.bfloat16:
+                y = F.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
+                y = y.to(x.dtype)
+            else:
+                y = F.linear(x2d, weight, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         reuse_weight = need_dx and config.quantize_backward and weight_operand is not None
         ctx.ops, ctx.generator, ctx.cache = ops, generator, cache
@@ -152,7 +180,7 @@ class _QuantizedLinear(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def quantized_linear(
@@ -162,19 +190,24 @@ def quantized_linear(
     config: QuantConfig | None = None,
     generator: torch.Generator | None = None,
     weight_cache: WeightOperandCache | None = None,
+    input_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One entry point for all formats: dispatches on the config type (NVFP4Config, MXFP4Config,
     FP8BlockConfig); None, or both quantize_forward and quantize_backward off, is exactly F.linear.
     `generator` drives stochastic rounding (None: torch's global RNG). `weight_cache` reuses the
-    weight's quantized operands (the caller clears it when the weight changes)."""
+    weight's quantized operands (the caller clears it when the weight changes). `input_amax`, a
+    0-d FP32 tensor, takes max |x| in place (fold_input_amax; the quantizer's amax where it has
+    one, so no extra pass over x)."""
     if config is None or not (config.quantize_forward or config.quantize_backward):
         if config is not None:
             ops_for(config)  # still reject unknown config types
+        if input_amax is not None:
+            fold_input_amax(input_amax, x)
         return F.linear(x, weight, bias)
     ops = ops_for(config, x.device)
     ops.check_shapes(x, weight)
     cache = weight_cache.for_config(config) if weight_cache is not None else None
-    return _QuantizedLinear.apply(x, weight, bias, ops, generator, cache)
+    return _QuantizedLinear.apply(x, weight, bias, ops, generator, cache, input_amax)
 
 
 def nvfp4_linear(

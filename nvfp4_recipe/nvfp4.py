@@ -266,8 +266,10 @@ def nvfp4_scaled_values(
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.bfloat16,
     kernels: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q * s in `dtype`, S_dec): the GEMM operand of an emulated NVFP4 GEMM, no code packing.
+    with_amax: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """(q * s in `dtype`, S_dec): the GEMM operand of an emulated NVFP4 GEMM, no code packing;
+    with_amax=True adds the tensor amax it computed (max |x|, FP32 0-d: the input amax recorder's).
 
     x2d must be 2-D with K % 16 == 0 (and rows % 16 == 0 for tile_rows=16). q * s is exact in
     bfloat16 and float32; the dequantized tensor is (q * s) * S_dec. `kernels` ("eager",
@@ -275,7 +277,7 @@ def nvfp4_scaled_values(
     """
     fused.check_kernel_mode(kernels, "nvfp4_scaled_values")
     x2d = _as_nvfp4_rows(x2d, tile_rows, check_finite=False)
-    _, _, _, s_dec, values = quantize_nvfp4_core(
+    _, _, amax, s_dec, values = quantize_nvfp4_core(
         x2d, tile_rows, stochastic, generator, want_codes=False, values_dtype=dtype, kernels=kernels
     )
-    return values, s_dec
+    return (values, s_dec, amax) if with_amax else (values, s_dec)

@@ -21,13 +21,15 @@ from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values, quantize_nvfp4
 
 
 class GemmOperand(NamedTuple):
-    """values: (rows, reduction) q*s in the GEMM dtype; decode_scale: FP32 0-d tensor scale or None."""
+    """values: (rows, reduction) q*s in the GEMM dtype; decode_scale: FP32 0-d tensor scale or None;
+    amax: FP32 0-d max |source| where the quantizer computed it (NVFP4's tensor amax), else None."""
 
     values: torch.Tensor
     decode_scale: torch.Tensor | None
+    amax: torch.Tensor | None = None
 
     def t(self) -> "GemmOperand":
-        return GemmOperand(self.values.t(), self.decode_scale)
+        return GemmOperand(self.values.t(), self.decode_scale, self.amax)
 
 
 
@@ -87,7 +89,8 @@ class _NVFP4Ops(_FormatOps):
     def _q(self, t: torch.Tensor, tile_rows: int = 1, stochastic: bool = False,
            generator: torch.Generator | None = None) -> GemmOperand:
         return GemmOperand(*nvfp4_scaled_values(
-            t, tile_rows, stochastic, generator, self.gemm_dtype, self.config.kernels))
+            t, tile_rows, stochastic, generator, self.gemm_dtype, self.config.kernels,
+            with_amax=True))
 
     def activation(self, x2d):
         return self._q(x2d)

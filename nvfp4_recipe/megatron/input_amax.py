@@ -9,7 +9,10 @@ saw over its last N steps is the calibration that needs no extra data: `training
 How it is recorded, without a host sync:
 - each emulated linear (parallel_linear.py) holding a 0-d FP32 device tensor `input_amax` folds
   `max |x|` of every GEMM input into it (training and evaluation forwards; a NaN/Inf amax counts
-  as 0, so a skipped step does not poison the window);
+  as 0, so a skipped step does not poison the window): the tensor amax NVFP4's quantizer
+  computes for the Fprop operand anyway, else (MXFP4, FP8 block, BF16 after the switch: their
+  block scales are not max |x| exactly) one aminmax pass; a recompute's rerun of the forward,
+  inside the backward, records nothing (nvfp4_recipe/linear.py, fold_input_amax);
 - `end_step` (the controller's `after_step`) moves those into one row of a (N, linears) ring on
   the device and zeroes them;
 - `all_reduce` (the trainer, before each checkpoint) takes the MAX over every rank, so the table
@@ -28,14 +31,13 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from nvfp4_recipe.linear import fold_input_amax
 
-@torch.no_grad()
+
 def record_input_amax(amax: torch.Tensor, x: torch.Tensor) -> None:
-    """amax <- max(amax, max |x|), in place on the device; a non-finite max |x| counts as 0."""
-    if x.numel() == 0:
-        return
-    seen = torch.nan_to_num(x.detach().abs().amax().float(), nan=0.0, posinf=0.0)
-    torch.maximum(amax, seen, out=amax)
+    """amax <- max(amax, max |x|), in place on the device; a non-finite max |x| counts as 0.
+    (quantized_linear's `input_amax` does this with the quantizer's amax where it has one.)"""
+    fold_input_amax(amax, x)
 
 
 class InputAmaxRecorder:

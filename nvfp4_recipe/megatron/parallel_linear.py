@@ -72,15 +72,18 @@ class _PrecisionLinearMixin:
     def _precision_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         out_dtype = x.dtype
         x_c, w_c = x.to(COMPUTE_DTYPE), weight.to(COMPUTE_DTYPE)
-        if self.input_amax is not None:  # the GEMM input as TE would quantize it (no host sync)
-            record_input_amax(self.input_amax, x_c)
         config = self._active_gemm_config()
+        # The running input amax takes the GEMM input as TE would quantize it (no host sync):
+        # quantized_linear folds in the amax its quantizer computes anyway.
         if config is None:
+            if self.input_amax is not None:
+                record_input_amax(self.input_amax, x_c)
             out = F.linear(x_c, w_c)
         else:
             if self.runtime_state.collect_diagnostics:
                 self._record_diagnostics(x_c, w_c, config)
-            out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache())
+            out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache(),
+                                   input_amax=self.input_amax)
             if self.runtime_state.collect_diagnostics and out.requires_grad:
                 out.register_hook(lambda g: self._record_gradient(g, config))
         out = out.to(out_dtype)

@@ -55,3 +55,74 @@ def test_state_round_trips_by_name_and_a_shorter_window_keeps_the_newest():
     assert off_mods["layers.1.mlp.linear_fc1"].input_amax is None  # not recording at all
     off.end_step()
     assert running_input_amax(off.state_dict()) == ({}, 0)
+
+
+# -- the amax the quantizer already computed (issue 36, item 4) -----------------------------------
+
+import pytest  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from nvfp4_recipe import FP8BlockConfig, MXFP4Config, NVFP4Config, quantized_linear  # noqa: E402
+
+CONFIGS = {
+    "nvfp4": NVFP4Config(),
+    "nvfp4 backward only": NVFP4Config(quantize_forward=False),
+    "mxfp4": MXFP4Config(),
+    "fp8 block": FP8BlockConfig(),
+    "off": NVFP4Config(quantize_forward=False, quantize_backward=False),
+}
+
+
+def _inputs(scale=3.0):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 32, 128, generator=gen) * scale).to(torch.bfloat16)
+    w = (torch.randn(128, 128, generator=gen) / 11).to(torch.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_quantized_linear_folds_max_abs_x_of_its_input(name):
+    """The recorded value is max |x| exactly (the reference: float64 |x|, max), whichever way it
+    was found; it only grows, and a non-finite input counts as 0."""
+    x, w = _inputs()
+    amax = torch.zeros(())
+    quantized_linear(x, w, None, CONFIGS[name], input_amax=amax)
+    assert float(amax) == x.double().abs().max().item()
+    quantized_linear(x / 4, w, None, CONFIGS[name], input_amax=amax)  # a smaller input
+    assert float(amax) == x.double().abs().max().item()
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    fresh = torch.zeros(())
+    quantized_linear(bad, w, None, CONFIGS[name], input_amax=fresh)
+    assert float(fresh) == 0.0
+
+
+def test_nvfp4_reuses_its_quantizers_amax_instead_of_another_pass(monkeypatch):
+    """NVFP4's Fprop quantizer computes the tensor amax of x; the recorder takes it, with no
+    second pass over x (neither |x| nor aminmax). The other formats' block scales are not max |x|
+    exactly (MXFP4's are powers of two, FP8's amax / 448): they keep one aminmax pass."""
+    calls = []
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = _inputs()
+    quantized_linear(x, w, None, NVFP4Config(), input_amax=torch.zeros(()))
+    assert calls == []
+    quantized_linear(x, w, None, MXFP4Config(), input_amax=torch.zeros(()))
+    assert calls == [1]
+
+
+def test_a_recomputed_forward_records_nothing():
+    """Activation recompute reruns the forward inside the backward (on CPU torch's reentrant
+    checkpoint, model/recompute.py; megatron's CheckpointFunction alike): the first forward recorded that input already, so
+    the rerun does not fold it in again (here: the window was zeroed in between, as end_step
+    does, and stays zero)."""
+    x, w = _inputs()
+    x.requires_grad_()
+    w.requires_grad_()
+    amax = torch.zeros(())
+    y = checkpoint(lambda a, b: quantized_linear(a, b, None, NVFP4Config(), input_amax=amax),
+                   x, w, use_reentrant=True)
+    assert float(amax) == x.detach().double().abs().max().item()
+    amax.zero_()
+    y.float().sum().backward()
+    assert x.grad is not None and float(amax) == 0.0
