@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -71,26 +72,37 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
 
 
-def init_distributed(tensor: int, pipeline: int, backend: str = "auto") -> ParallelContext:
-    """Join the process group torchrun set up (or make a one-process group) and split it."""
+# How long a rank waits in a collective for the others before the job fails
+# (`parallel.timeout_minutes`). torch's defaults are 10 minutes for NCCL and 30 for gloo
+# (torch/distributed/constants.py); a 12B checkpoint keeps ranks waiting for the slowest writer
+# longer than 10 minutes where one rank holds a large share (docs/benchmarks/checkpoint-scaling.md).
+DEFAULT_TIMEOUT_MINUTES = 30
+
+
+def init_distributed(tensor: int, pipeline: int, backend: str = "auto",
+                     timeout_minutes: int = DEFAULT_TIMEOUT_MINUTES) -> ParallelContext:
+    """Join the process group torchrun set up (or make a one-process group) and split it; every
+    group (the world's and megatron's) gives up on a collective after `timeout_minutes`."""
     from megatron.core import parallel_state
 
     if backend == "auto":
         backend = "nccl" if cuda_present() else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if "RANK" in os.environ:  # torchrun / srun set the rendezvous
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:  # plain `python train.py`: a group of one. The environment is left untouched, so
             # processes this one starts (tests, launchers) do not inherit its rendezvous port.
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     data_parallel_size(tensor, pipeline, world)  # megatron's own refusal would be a RuntimeError
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline
+        parallel_state.initialize_model_parallel(  # its groups' timeout (parallel_state.py:819)
+            tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
+            distributed_timeout_minutes=timeout_minutes,
         )
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
@@ -127,6 +139,26 @@ def mean_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, group=group)
         t /= dist.get_world_size(group)
     return t
+
+
+def step_loss_and_stop(loss: torch.Tensor, stop: bool, ctx: ParallelContext) -> tuple[float, bool]:
+    """A step's loss averaged over the data-parallel ranks, and whether any rank of the world
+    asked to `stop`, in one all-reduce and one device-to-host copy (the one reading the loss
+    needs anyway): the stop flag rides in the loss's reduction.
+
+    The reduction runs over the whole world, so that tensor and pipeline ranks agree on the
+    flag too; only the first tensor and pipeline rank of each replica adds its loss (the others
+    hold copies: run_micro_batches gives every stage the loss), so the sum is the data-parallel
+    sum. `loss` is a 0-dim tensor on the run's device."""
+    if ctx.world_size == 1:
+        return loss.item(), stop
+    counted = loss if ctx.tensor_rank == 0 and ctx.pipeline_rank == 0 else torch.zeros_like(loss)
+    # new_full writes the flag on the device (a fill kernel): no host-to-device copy
+    both = torch.stack([counted, loss.new_full((), float(stop))])
+    dist.all_reduce(both)
+    both[0] /= ctx.data
+    total, stops = both.tolist()
+    return total, stops > 0
 
 
 def barrier() -> None:

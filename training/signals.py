@@ -42,9 +42,21 @@ class StopSignal:
         log.warning(f"{self.name} received: finishing this step, then checkpointing"
                     + (" (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""))
 
+    @property
+    def requested(self) -> bool:
+        """Whether this rank was signalled (what each step's loss reduction carries to the
+        others: distributed.step_loss_and_stop)."""
+        return self.name is not None
+
     def agreed(self, ctx: ParallelContext) -> bool:
-        """Whether any rank was signalled: all ranks must stop at the same step."""
-        flag = torch.tensor(float(self.name is not None), device=ctx.device)
-        if ctx.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        """Whether any rank was signalled: all ranks must stop at the same step.
+
+        A collective of its own, for the points outside a step (start-up, after a checkpoint or
+        an evaluation). Within the loop each step's flag rides in its loss reduction instead
+        (Trainer.train_step), so a step adds no host sync for it: a signal that arrives after
+        that reduction is acted on at the end of the next step, one step later at most."""
+        if ctx.world_size == 1:
+            return self.requested
+        flag = torch.full((), float(self.requested), device=ctx.device)  # a fill, not a copy
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

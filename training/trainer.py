@@ -27,7 +27,7 @@ from .cadence import Every
 from .config import TrainConfig, recompute_config
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
-from .distributed import ParallelContext, mean_over_data_parallel, stochastic_rounding_seed
+from .distributed import ParallelContext, step_loss_and_stop, stochastic_rounding_seed
 from .downstream import DownstreamEvaluator
 from .grad_health import GradHealth
 from .lr_schedule import WSDScheduler
@@ -49,6 +49,7 @@ class StepResult:
     skipped: bool
     health: dict[str, float] = field(default_factory=dict)  # grad/<layer>/... when measured
     precision: dict[str, float] = field(default_factory=dict)  # quant/<layer>/... when measured
+    stop: bool = False  # a rank was signalled (agreed by every rank in the loss's reduction)
 
 
 class Trainer:
@@ -165,10 +166,9 @@ class Trainer:
         return self.step * self.tokens_per_step
 
     def save(self) -> None:
-        finite = torch.tensor(float(all(torch.isfinite(p).all() for p in self.core.parameters())),
-                              device=self.ctx.device)
+        finite = all_finite(list(self.core.parameters()), self.ctx.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to write
-        if not finite.item():
+        if not finite.item():  # the one host sync of the check
             log.error("not writing a checkpoint: the weights contain NaN/Inf")
             return
         self.precision.input_amax.all_reduce()  # every rank's linears and batches, for rank 0
@@ -212,7 +212,8 @@ class Trainer:
         total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape,
                                   gemm=self.gemm)
         precision_metrics = self.precision.after_step(self.step)
-        loss = mean_over_data_parallel(total).item()
+        # the stop flag rides in the loss's reduction: no collective or host sync of its own
+        loss, stop = step_loss_and_stop(total, self.stop.requested, self.ctx)
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
         health = self.grad_health.collect() if self.grad_health_due(self.step + 1) else None
         # megatron's optimizer.step(), split so that a non-finite norm can skip the update.
@@ -243,12 +244,13 @@ class Trainer:
             self.scheduler.step()
             return StepResult(loss, grad_norm, lr, skipped=True,
                               health=stats.metrics(norms=health is not None),
-                              precision=precision_metrics)
+                              precision=precision_metrics, stop=stop)
         self.consecutive_skips = 0
         self.optimizer.step_with_ready_grads()
         self.scheduler.step()
         return StepResult(loss, grad_norm, lr, skipped=False,
-                          health=health.metrics() if health else {}, precision=precision_metrics)
+                          health=health.metrics() if health else {}, precision=precision_metrics,
+                          stop=stop)
 
     @cached_property
     def grad_health(self) -> GradHealth:
@@ -321,7 +323,7 @@ class Trainer:
                 self._report(metrics, result,
                              eta=elapsed / (self.step - start_step) * (tr.max_steps - self.step))
                 sink.log(self.step, metrics)
-                if self._after_step(sink):
+                if self._after_step(sink, result.stop):
                     sink.event(self.step, "preempted", signal=self.stop.name or "peer")
                     return ExitCode.PREEMPTED
         finally:
@@ -346,10 +348,10 @@ class Trainer:
         if "val_loss" in metrics:
             log.info(data_line(metrics))
 
-    def _after_step(self, sink: MetricsSink) -> bool:
-        """Checkpoint and downstream evaluation when due, or when a stop signal came; True to
-        stop (preempted: everything up to this step is in the checkpoint)."""
-        stop = self.stop.agreed(self.ctx)
+    def _after_step(self, sink: MetricsSink, stop: bool) -> bool:
+        """Checkpoint and downstream evaluation when due, or when a stop signal came (`stop`:
+        agreed in the step's loss reduction); True to stop (preempted: everything up to this
+        step is in the checkpoint)."""
         evaluate = self.downstream.due(self.step)  # its step's checkpoint comes first
         if stop or evaluate or self.save_due(self.step):
             self.save()
@@ -360,6 +362,14 @@ class Trainer:
             self.downstream.run(self.step, sink)
             stop = self.stop.agreed(self.ctx)
         return stop
+
+
+def all_finite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 (a 0-dim float tensor on `device`) if every element of every tensor is finite, else
+    0.0; computed on the device without a host sync (the caller reads it once)."""
+    if not tensors:
+        return torch.ones((), device=device)
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all().float()
 
 
 def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
