@@ -25,7 +25,7 @@ from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers
 
-from .distributed import data_parallel_size
+from .distributed import DEFAULT_TIMEOUT_MINUTES, data_parallel_size
 from .plan import PlanConfig
 
 
@@ -100,6 +100,11 @@ class ParallelConfig:
     sequence: bool = False
     # auto: gloo on CPU, nccl on GPUs.
     backend: ProcessGroupBackend = ProcessGroupBackend.auto
+    # Minutes a rank waits in a collective for the others before the job fails (every process
+    # group). Long enough for the slowest rank's share of a checkpoint write and its hashing
+    # (docs/benchmarks/checkpoint-scaling.md), short enough that a hang does not idle the job
+    # for hours. NCCL's own default, 10 minutes, is shorter than a large save.
+    timeout_minutes: int = field(default=DEFAULT_TIMEOUT_MINUTES, metadata=within(1, 24 * 60))
 
     def __post_init__(self) -> None:
         check_fields(self, "parallel")

@@ -51,7 +51,8 @@ def _start_up(raw):
             return cfg, ctx, None
         # every group, data files included, before anything is written and before megatron
         validate(cfg, launched_world_size())
-        ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend)
+        ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
+                               timeout_minutes=cfg.parallel.timeout_minutes)
         from model.build import choose_backend
         from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
