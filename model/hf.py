@@ -268,7 +268,11 @@ def check_init_from(cfg: ModelConfig, vocab_size: Optional[int] = None) -> dict:
         raise HFError(f"model.init_from={hf_dir}: its config.json does not match the model "
                       f"config: {'; '.join(problems)}; set model.* to the checkpoint's values "
                       "(e.g. model=nemotron_h_12b for NVIDIA-Nemotron-Nano-12B-v2-Base)")
-    _weight_files(hf_dir)
+    stored = {own_name(k): shape for k, (_, shape) in _weight_files(hf_dir).items()}
+    problems = tensor_mismatches(hf_dir, stored)
+    if problems:
+        raise HFError(f"model.init_from={hf_dir}: its tensors do not fit its config.json: "
+                      f"{'; '.join(problems)}")
     return hf
 
 
@@ -480,15 +484,15 @@ def _safe_open():
     return safe_open
 
 
-def _safetensors_keys(hf_dir: Path, name: str) -> list[str]:
-    """The tensor names of one safetensors file. safetensors checks, on opening, that the header
-    parses and that its offsets cover exactly the file (a truncated or extended file raises
-    SafetensorError): that error becomes one line naming the file."""
+def _safetensors_header(hf_dir: Path, name: str) -> dict[str, tuple]:
+    """{tensor name: shape} of one safetensors file, from its header alone. safetensors checks,
+    on opening, that the header parses and that its offsets cover exactly the file (a truncated
+    or extended file raises SafetensorError): that error becomes one line naming the file."""
     from safetensors import SafetensorError
 
     try:
         with _safe_open()(str(hf_dir / name), framework="pt") as f:
-            return list(f.keys())
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except SafetensorError as exc:
         raise HFError(f"model.init_from={hf_dir}: {name} is truncated or corrupt (safetensors: "
                       f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'unreadable'})"
@@ -498,8 +502,9 @@ def _safetensors_keys(hf_dir: Path, name: str) -> list[str]:
                       ) from None
 
 
-def _weight_files(hf_dir: Path) -> dict[str, str]:
-    """{tensor name as stored: file} of a directory's safetensors weights; pickles refused.
+def _weight_files(hf_dir: Path) -> dict[str, tuple[str, tuple]]:
+    """{tensor name as stored: (file, shape)} of a directory's safetensors weights; pickles
+    refused.
 
     Every file's header is read (cheap: no tensor data), so a truncated or corrupt file, or an
     index naming a tensor its file lacks, is refused at start-up."""
@@ -510,19 +515,22 @@ def _weight_files(hf_dir: Path) -> dict[str, str]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise HFError(f"model.init_from={hf_dir}: unreadable {index.name} ({exc})") from None
+        shapes = {}
         for name in sorted(set(weight_map.values())):
             if not (hf_dir / name).is_file():
                 raise HFError(f"model.init_from={hf_dir}: {index.name} lists {name}, which is "
                               "missing", ExitCode.MISSING)
-            held = set(_safetensors_keys(hf_dir, name))
+            held = _safetensors_header(hf_dir, name)
             lacking = sorted(t for t, f in weight_map.items() if f == name and t not in held)
             if lacking:
                 raise HFError(f"model.init_from={hf_dir}: {index.name} places {lacking[0]}"
                               f"{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''} "
                               f"in {name}, which does not hold it")
-        return dict(weight_map)
+            shapes.update({t: held[t] for t, f in weight_map.items() if f == name})
+        return {t: (f, shapes[t]) for t, f in weight_map.items()}
     if single.is_file():
-        return {key: single.name for key in _safetensors_keys(hf_dir, single.name)}
+        return {key: (single.name, shape)
+                for key, shape in _safetensors_header(hf_dir, single.name).items()}
     pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
         raise HFError(f"model.init_from={hf_dir}: its weights are pickles ({', '.join(pickles)}), "
@@ -532,6 +540,50 @@ def _weight_files(hf_dir: Path) -> dict[str, str]:
                   "model.safetensors.index.json in it", ExitCode.MISSING)
 
 
+def refuse_non_finite(tensor: torch.Tensor, what: str) -> None:
+    """An imported weight holding NaN or Inf is named as it loads, not found as a non-finite
+    loss at step 1 with a hint pointing elsewhere."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise HFError(f"{what}: {bad} of its {tensor.numel()} values are NaN or Inf; the run "
+                      "would diverge at its first step: repair or re-export the checkpoint")
+
+
+def own_name(stored: str) -> str:
+    """A stored tensor name as `NemotronHForCausalLM.state_dict()` names it: transformers 5's
+    conversion renames backbone. -> model. on load (conversion_mapping.py)."""
+    return "model." + stored[len("backbone."):] if stored.startswith("backbone.") else stored
+
+
+def _is_mtp(name: str) -> bool:
+    # Multi-token-prediction heads (`mtp.*`) are not part of the causal LM: transformers skips
+    # them too (modeling_nemotron_h.py:1013).
+    return name.startswith("mtp.")
+
+
+def tensor_mismatches(hf_dir: Path, stored: Mapping[str, tuple]) -> list[str]:
+    """What a directory's tensors ({own name: shape}, from the headers) lack, hold in excess or
+    shape otherwise than the `NemotronHForCausalLM` its config.json describes, built on the meta
+    device (no memory, ~0.1 s at 12B). lm_head may be absent when the embeddings are tied."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    # transformers' own reader: it decodes the values JSON cannot hold (Infinity)
+    config = NemotronHConfig.from_json_file(str(hf_dir / "config.json"))
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in NemotronHForCausalLM(config).state_dict().items()}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(k for k in expected if k not in stored and k not in optional)
+    extra = sorted(k for k in stored if k not in expected and not _is_mtp(k))
+    shaped = [f"{k} is {list(stored[k])}, not {list(expected[k])}" for k in sorted(expected)
+              if k in stored and tuple(stored[k]) != expected[k]]
+
+    def listed(what: str, names: list[str]) -> list[str]:
+        more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+        return [f"{what} {', '.join(names[:3])}{more}"] if names else []
+
+    return listed("no", missing) + listed("tensors no layer has:", extra) + shaped[:3]
+
+
 class SafetensorsWeights:
     """A directory's tensors by their `NemotronHForCausalLM.state_dict()` names, read lazily;
     tensors of one pattern layer are cached until another layer is read."""
@@ -539,16 +591,11 @@ class SafetensorsWeights:
     def __init__(self, hf_dir: Path):
         self.dir = Path(hf_dir)
         self.files = {}
-        for stored, file in _weight_files(self.dir).items():
-            self.files[self._own_name(stored)] = (stored, file)
+        for stored, (file, _) in _weight_files(self.dir).items():
+            self.files[own_name(stored)] = (stored, file)
         self.read: set[str] = set()
         self._cache: dict[str, torch.Tensor] = {}
         self._cache_layer = None
-
-    @staticmethod
-    def _own_name(stored: str) -> str:
-        # transformers 5's conversion renames backbone. -> model. on load (conversion_mapping.py)
-        return "model." + stored[len("backbone."):] if stored.startswith("backbone.") else stored
 
     def __call__(self, name: str) -> torch.Tensor:
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -566,13 +613,12 @@ class SafetensorsWeights:
             except SafetensorError as exc:  # changed since the start-up check
                 raise HFError(f"model.init_from={self.dir}: {file} is truncated or corrupt "
                               f"(safetensors: {str(exc).strip()[:200]})") from None
+            refuse_non_finite(self._cache[name], f"model.init_from={self.dir}: {stored} in {file}")
             self.read.add(name)
         return self._cache[name]
 
     def unread(self) -> list[str]:
-        # Multi-token-prediction heads (`mtp.*`) are not part of the causal LM: transformers
-        # skips them too (modeling_nemotron_h.py:1013).
-        return sorted(n for n in self.files if n not in self.read and not n.startswith("mtp."))
+        return sorted(n for n in self.files if n not in self.read and not _is_mtp(n))
 
 
 def _tokenizer_vocab(hf_dir: Path) -> Optional[dict]:

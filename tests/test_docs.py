@@ -104,7 +104,7 @@ def _error_codes() -> dict[str, int]:
 def _asserts_code(source: str, code: int) -> bool:
     """Whether a test's source asserts `code`: `ExitCode.<NAME>`, the number compared or said
     ("== 7", "exit 7"), or `pytest.raises(E)` of an error whose code it is."""
-    raised = re.findall(r"pytest\.raises\(\(?(\w+)", source)
+    raised = [name.rpartition(".")[2] for name in re.findall(r"pytest\.raises\(\(?([\w.]+)", source)]
     return (f"ExitCode.{ExitCode(code).name}" in source
             or re.search(rf"(?:==|!=|exit|exits|in \(|,) *{code}(?![\w.])", source) is not None
             or any(_error_codes().get(name) == code for name in raised))
@@ -138,3 +138,4 @@ def test_the_citation_reader_follows_continuations_and_the_code_check_tells_numb
     assert _asserts_code("with pytest.raises(CheckpointRefused, match=x):", 6)
     assert not _asserts_code("with pytest.raises(CheckpointRefused, match=x):", 2)
     assert _asserts_code("with pytest.raises(FileNotFoundError):", 1)
+    assert _asserts_code("with pytest.raises(hf.HFError, match=x):", 2)

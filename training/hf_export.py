@@ -405,6 +405,7 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
                         "NVFP4 weights are its BF16 weights rounded to nearest, not weights "
                         "its forward computed with")
             about["switched_to_bf16_at"] = switched
+    from safetensors import SafetensorError
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -415,6 +416,11 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     except OSError as exc:  # read-only, no permission, disk full: the temporary is gone
         raise HFError(f"--output {output} cannot be written: {_os_reason(exc)}; nothing was "
                       "replaced", ExitCode.UNWRITABLE) from None
+    except SafetensorError as exc:  # safetensors' writer reports the disk's refusal as its own
+        if "I/O error" not in str(exc):  # "Error while serializing: I/O error: No space left..."
+            raise
+        raise HFError(f"--output {output} cannot be written: {str(exc).rpartition('I/O error: ')[2]}"
+                      "; nothing was replaced", ExitCode.UNWRITABLE) from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -454,6 +460,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except HFError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
+    except KeyboardInterrupt:  # the temporary is gone (write_hf_dir), a previous export kept
+        print(f"error: interrupted: nothing was written to --output {args.output}",
+              file=sys.stderr)
+        return ExitCode.INTERRUPTED
     print(f"exported {checkpoint} to {Path(args.output)}")
     return ExitCode.OK
 

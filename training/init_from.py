@@ -57,7 +57,7 @@ def check_run_init(cfg: ModelConfig) -> Path:
 def load_run_weights(module: torch.nn.Module, cfg: ModelConfig) -> None:
     """This rank's part of `module` (freshly built, any TP/PP, either spec) from the newest
     intact checkpoint of the run directory model.init_from names."""
-    from model.hf import HFError, load_full_tensors
+    from model.hf import HFError, load_full_tensors, refuse_non_finite
 
     from .hf_export import read_checkpoint_weights
 
@@ -67,6 +67,7 @@ def load_run_weights(module: torch.nn.Module, cfg: ModelConfig) -> None:
     def tensor_for(key: str, shape):
         if key not in weights:
             raise HFError(f"model.init_from={cfg.init_from}: {checkpoint.name} has no {key}")
+        refuse_non_finite(weights[key], f"model.init_from={cfg.init_from}: {key} of {checkpoint.name}")
         return weights[key]
 
     load_full_tensors(module, tensor_for)

@@ -197,6 +197,50 @@ def test_a_truncated_safetensors_file_is_refused_at_validate_naming_it(tmp_path,
     assert "\n" not in message
 
 
+def _rewrite(hf_dir: Path, change) -> None:
+    """Rewrite a single-file export's tensors through `change(tensors)`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(hf_dir / "model.safetensors")
+    change(tensors)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("missing", "no model.layers.2.mixer.k_proj.weight"),
+    ("extra", "tensors no layer has: model.layers.9.mixer.up_proj.weight"),
+    ("shape", "model.layers.1.mixer.up_proj.weight is [64, 64], not [128, 64]"),
+])
+def test_a_tensor_list_that_does_not_fit_is_refused_at_validate_from_the_headers(
+        tmp_path, fault, named):
+    """Missing, extra or misshapen tensors are found in the safetensors headers by the start-up
+    check (train.py calls it before anything is written), not while loading, after run.dir."""
+    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
+    # transformers 5 stores the NemotronH body as backbone.*, and names it model.* once loaded
+    changes = {
+        "missing": lambda t: t.pop("backbone.layers.2.mixer.k_proj.weight"),
+        "extra": lambda t: t.update({"backbone.layers.9.mixer.up_proj.weight": torch.zeros(2, 2)}),
+        "shape": lambda t: t.update({"backbone.layers.1.mixer.up_proj.weight":
+                                     t["backbone.layers.1.mixer.up_proj.weight"][:64].clone()}),
+    }
+    _rewrite(hf_dir, changes[fault])
+    with pytest.raises(hf.HFError) as info:
+        hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
+    assert info.value.code == ExitCode.CONFIG and named in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_nan_in_an_imported_tensor_is_named_as_it_loads(parallel_context, tmp_path):
+    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
+    _rewrite(hf_dir, lambda t: t["backbone.layers.3.mixer.out_proj.weight"].view(-1)[5:7]
+             .copy_(torch.tensor([float("nan"), float("inf")])))
+    cfg = dataclasses.replace(TINY, init_from=str(hf_dir))
+    hf.check_init_from(cfg)  # the headers are fine
+    with pytest.raises(hf.HFError, match=r"backbone.layers.3.mixer.out_proj.weight in "
+                                         r"model.safetensors: 2 of its 8192 values are NaN or Inf"):
+        hf.load_hf_weights(_project_model(cfg, torch.bfloat16), cfg, VOCAB)
+
+
 # The published NVIDIA-Nemotron-Nano-12B-v2-Base config.json, architecture fields. Sources (no
 # network to huggingface.co here): the model card (huggingface.co/nvidia/
 # NVIDIA-Nemotron-Nano-12B-v2-Base README: 62 layers = 28 Mamba-2 + 28 MLP + 6 GQA attention with
@@ -378,6 +422,18 @@ def test_train_py_refuses_a_truncated_init_from_with_one_line_writing_nothing(tm
     errors = [line for line in log.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "model.safetensors is truncated or corrupt" in errors[0], log
     assert "Traceback" not in log and not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_train_py_refuses_an_init_from_missing_a_tensor_writing_nothing(tmp_path, data_cache):
+    hf_dir, _ = _random_hf_dir(tmp_path, ModelConfig(), 4096)
+    _rewrite(hf_dir, lambda t: t.pop("backbone.layers.1.mixer.down_proj.weight"))
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *TRAIN, f"model.init_from={hf_dir}", cache_dir=data_cache)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.CONFIG, log
+    assert "no model.layers.1.mixer.down_proj.weight" in log and "Traceback" not in log
+    assert not run_dir.exists()
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
+from errors import ExitCode  # noqa: E402
 from model import hf  # noqa: E402
 from model.build import build_model  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
@@ -167,6 +168,37 @@ def test_a_write_error_mid_export_is_one_line_and_exit_8_leaving_the_old_export(
     assert hf_export.main([str(run), "--output", str(out), "--overwrite"]) == 8
     assert "cannot be written: No space left on device; nothing was replaced" in \
         one_error_line(capsys)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("fault", ["safetensors_full_disk", "ctrl_c"])
+def test_a_full_disk_in_safetensors_and_ctrl_c_are_one_line_and_their_codes(
+        run, tmp_path, capsys, monkeypatch, fault):
+    """safetensors' writer reports ENOSPC as its own SafetensorError (not an OSError): exit 8,
+    as documented, not a traceback; Ctrl-C: exit 130, one line. Either way the previous export
+    stays whole and the temporary goes."""
+    from safetensors import SafetensorError
+
+    out = tmp_path / "hf"
+    assert hf_export.main([str(run), "--output", str(out)]) == 0
+    capsys.readouterr()
+    before = files_under(tmp_path)
+    raised = {"safetensors_full_disk": SafetensorError(
+                  "Error while serializing: I/O error: No space left on device (os error 28)"),
+              "ctrl_c": KeyboardInterrupt()}[fault]
+
+    def fails(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", fails)
+    code = hf_export.main([str(run), "--output", str(out), "--overwrite"])
+    line = one_error_line(capsys)
+    if fault == "ctrl_c":
+        assert code == ExitCode.INTERRUPTED and "interrupted" in line
+    else:
+        assert code == ExitCode.UNWRITABLE
+        assert "cannot be written: No space left on device (os error 28); nothing was " \
+               "replaced" in line
     assert files_under(tmp_path) == before
 
 
