@@ -2,6 +2,14 @@
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
         -m benchmarks.checkpoint_scaling [--hidden 1024] [--layout dp_reshardable]
+    .venv/bin/python -m benchmarks.checkpoint_scaling --hashing [--file-mib 1024]
+
+`--hashing` (one process, no torch.distributed): the SHA-256 throughput of the checkpoint's own
+hashing (training/checkpoint.py:_hash_files) over freshly written files, in the page cache as a
+rank's own files are right after it wrote them: one file on one thread, and 2 and 4 files on as
+many threads; then the 12B projection of the hashing a save and a resume add per rank, before
+(rank 0 hashed every file, alone) and after (each rank its own), at one replica and at the
+paper's layout (`projection`, a pure function of the measured rate).
 
 Each rank builds the model and the sharded optimizer (the CPU twin of megatron's distributed
 optimizer, `trainer.distributed_optimizer=true`), takes one Adam step so both moments exist, saves
@@ -50,6 +58,79 @@ def _keywords(fn, **wanted):
     return {k: v for k, v in wanted.items() if k in params}
 
 
+# The 12B model (notes: nemotron-h-12b.md): 12.31B parameters; a checkpoint holds BF16 weights
+# (2 bytes) and the FP32 master weights and both Adam moments (3 x 4 bytes) of each.
+PARAMS_12B = 12.31e9
+WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12
+# One replica (data parallel 1) on one rank and on a GB200 node's 4 GPUs (tensor 4), and the
+# paper's layout, recipes/experiment/nemotron_h_12b_nvfp4_10t.yaml: tensor 4 x data 184.
+LAYOUTS = {"DP=1, one rank": (1, 1), "DP=1, TP=4": (4, 1), "paper, TP=4 x DP=184": (4, 184)}
+
+
+def per_rank_bytes(params: float, tensor: int, data: int) -> float:
+    """Bytes of a checkpoint one rank writes: its tensor shard's optimizer state split over the
+    data-parallel ranks (dp_reshardable) and its share of the BF16 weights, which megatron's
+    fully-parallel save spreads over the data-parallel replicas (the shared metadata is small)."""
+    return params * (WEIGHT_BYTES + OPTIMIZER_BYTES) / (tensor * data)
+
+
+def projection(rate_one: float, rate_threads: float, files_per_rank: int = 3) -> list[dict]:
+    """Seconds of hashing a 12B save (and a resume's verification, the same bytes) adds per
+    rank, at `rate_one` bytes/s on one thread and `rate_threads` on a rank's few files at once.
+    Before: rank 0 hashed the whole checkpoint on one thread while every other rank waited in
+    the next collective; after: each rank hashes what it wrote (its 2 torch_dist files, megatron's
+    writer thread_count, and its RNG file), so the slowest rank's share is the wait."""
+    total = PARAMS_12B * (WEIGHT_BYTES + OPTIMIZER_BYTES)
+    rows = []
+    for name, (tensor, data) in LAYOUTS.items():
+        own = per_rank_bytes(PARAMS_12B, tensor, data)
+        rows.append({"layout": name, "ranks": tensor * data, "checkpoint_gb": round(total / 1e9, 1),
+                     "per_rank_gb": round(own / 1e9, 3),
+                     "before_s": round(total / rate_one, 1),
+                     "after_s": round(own / (rate_threads if files_per_rank > 1 else rate_one), 1)})
+    return rows
+
+
+def hashing(file_mib: int) -> None:
+    """Measure the checkpoint's hashing throughput here and print it with the 12B projection."""
+    import shutil
+    import subprocess
+
+    from training import checkpoint as ckpt
+
+    work = Path(tempfile.mkdtemp(prefix="hash-bench-"))
+    size = file_mib << 20
+    try:
+        block = os.urandom(1 << 20)
+        for i in range(4):
+            with open(work / f"__{i}_0.distcp", "wb") as f:
+                for _ in range(file_mib):
+                    f.write(block)
+        ckpt._hash_files(work, [f"__{i}_0.distcp" for i in range(4)])  # into the page cache
+        rates = {}
+        for files in (1, 2, 4):
+            names = [f"__{i}_0.distcp" for i in range(files)]
+            ckpt.HASH_THREADS = files
+            best = None
+            for _ in range(3):  # best of 3: the machine is shared
+                started = time.perf_counter()
+                ckpt._hash_files(work, names)
+                seconds = time.perf_counter() - started
+                best = seconds if best is None else min(best, seconds)
+            rates[files] = files * size / best
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        if line.startswith("Model name")), "?")
+    flags = open("/proc/cpuinfo").read()
+    print(json.dumps({
+        "cpu": model, "cpus": os.cpu_count(), "sha_ni": " sha_ni" in flags,
+        "load_average": [round(x, 2) for x in os.getloadavg()], "file_mib": file_mib,
+        "mb_per_s": {f"{n} file(s), {n} thread(s)": round(r / 1e6) for n, r in rates.items()},
+        "projection_12b": projection(rates[1], rates[2])}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -59,7 +140,12 @@ def main() -> None:
                         help="optimizer layout for checkouts that have one")
     parser.add_argument("--dir", default=None, help="where the checkpoint goes (default: a "
                         "temporary directory, removed afterwards)")
+    parser.add_argument("--hashing", action="store_true", help="measure SHA-256 throughput "
+                        "(one process) and project the 12B save/resume hashing per rank")
+    parser.add_argument("--file-mib", type=int, default=1024, help="--hashing: MiB per file")
     args = parser.parse_args()
+    if args.hashing:
+        return hashing(args.file_mib)
 
     import torch
     import torch.distributed as dist
