@@ -4,8 +4,8 @@
 # or mamba_ssm. Run from the repository root:
 #
 #   make gpu-wheels                            # anywhere with network: .wheels/ (< 40 MiB), then copy the repo over
-#   WHEELS=.wheels bash launch/gpu_check.sh    # on the GPU machine: OUT=runs/gpu_check, < 10 min on one H200
-#   OUT=/tmp/x GPU_CHECK_QUICK=1 bash launch/gpu_check.sh   # CI (CPU mode): < 2 min on 2 cores
+#   WHEELS=.wheels bash launch/gpu_check.sh    # on the GPU machine: OUT=runs/gpu_check, one 10-min command (540 s budget)
+#   OUT=/tmp/x GPU_CHECK_QUICK=1 bash launch/gpu_check.sh   # CI (CPU mode): ~4 min on 2 loaded cores
 #
 # Parts, in order (correctness first, timings last); each is "ok", "FAILED (...)" or
 # "skipped: <reason>" in $OUT/summary.md:

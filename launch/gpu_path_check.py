@@ -91,6 +91,25 @@ def ours(lines: dict[str, int]) -> dict[str, int]:
     return {line: n for line, n in lines.items() if line.startswith(OURS)}
 
 
+# The read the step must make once with diagnostics on: it proves the recording worked.
+PER_STEP_READ = "nvfp4_recipe/megatron/controller.py:"
+
+
+def sync_verdict(one_micro_batch, two_micro_batches) -> tuple[bool, dict, dict, str]:
+    """(passed, syncs per micro-batch by line, those of ours, problem) from the warning records of
+    a 1- and a 2-micro-batch step, both with diagnostics on. Fails on a sync of ours per
+    micro-batch, and when either step shows no read of the diagnostics: then nothing was
+    recorded (sync debug mode off, warnings filtered) and "none of ours" would prove nothing."""
+    extra = per_micro_batch_syncs(one_micro_batch, two_micro_batches)
+    mine = ours(extra)
+    if not all(any(line.startswith(PER_STEP_READ) for line in sync_lines(records))
+               for records in (one_micro_batch, two_micro_batches)):
+        return False, extra, mine, "the controller's read of the diagnostics was not recorded in both steps"
+    if mine:
+        return False, extra, mine, f"{sum(mine.values())} per micro-batch from this project's code"
+    return True, extra, mine, ""
+
+
 class SyncCounter:
     """Records the synchronizing CUDA calls of a region (warning records, and their count by line)."""
 
@@ -158,8 +177,7 @@ def check_sync(out: dict) -> bool:
         _, metrics = step(3, 1)
     with SyncCounter() as two:
         step(4, 2)
-    extra = per_micro_batch_syncs(one.records, two.records)
-    mine = ours(extra)
+    passed, extra, mine, problem = sync_verdict(one.records, two.records)
     out["sync"] = {"one_micro_batch": {"syncs": one.total, "by_line": dict(one.counts.most_common())},
                    "two_micro_batches": {"syncs": two.total, "by_line": dict(two.counts.most_common())},
                    "per_micro_batch": extra, "ours_per_micro_batch": mine,
@@ -178,8 +196,8 @@ def check_sync(out: dict) -> bool:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     out["sync"]["emulated_linear_error_mode"] = strict
-    ok = not mine and strict == "ok"
-    print(f"sync: {'ok' if ok else 'FAILED'}: per micro-batch {sum(extra.values())} synchronizing calls "
+    ok = passed and strict == "ok"
+    print(f"sync: {'ok' if ok else 'FAILED' + (f' ({problem})' if problem else '')}: per micro-batch {sum(extra.values())} synchronizing calls "
           f"({one.total} in a 1-micro-batch step, {two.total} in a 2-micro-batch step, both with "
           f"diagnostics), of ours: {mine or 'none'}; others: {dict(list(extra.items())[:4]) or 'none'}; "
           f"emulated linear under mode error: {strict}")

@@ -229,6 +229,12 @@ def test_per_micro_batch_syncs_leave_out_the_per_step_reads():
                                           healthy_two)) == {}
     # fewer syncs with two micro-batches is not negative: nothing listed
     assert g.per_micro_batch_syncs(one, _recorded([controller])) == {}
+    # the verdict: the per-step read must show in both steps (else nothing was recorded at all)
+    assert g.sync_verdict(_recorded([controller, optimizer]), healthy_two)[0]
+    ok, extra, mine, problem = g.sync_verdict(one, two)
+    assert not ok and mine == {"nvfp4_recipe/nvfp4.py:42": 1} and problem == "1 per micro-batch from this project's code"
+    assert g.sync_verdict([], []) == (False, {}, {}, "the controller's read of the diagnostics was not recorded in both steps")
+    assert not g.sync_verdict(_recorded([optimizer]), healthy_two)[0]
 
 
 # -- SDPA on the project's layout (part gpu_path) ---------------------------------------------------
