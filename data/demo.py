@@ -170,7 +170,7 @@ def ensure_demo_corpus(cache_dir: str, cfg: Optional[DemoConfig] = None, show_pr
     if os.path.isfile(os.path.join(final, "manifest.json")):
         return _load(final, key, built=False)
     os.makedirs(cache_dir, exist_ok=True)
-    from data.indexed import remove_dead_temporaries, writer_tag
+    from atomic_files import remove_dead_temporaries, writer_tag
 
     remove_dead_temporaries(os.path.join(glob.escape(cache_dir), ".tmp-demo-*"))  # killed builds
     tmp = os.path.join(cache_dir, f".tmp-demo-{key}-{writer_tag()}")

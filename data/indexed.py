@@ -13,14 +13,14 @@ import hashlib
 import json
 import logging
 import os
-import re
 import socket
-import uuid
 import warnings
 from types import SimpleNamespace
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, Optional
 
 import numpy as np
+
+from atomic_files import remove_dead_temporaries, writer_tag
 
 _MCORE: Optional[SimpleNamespace] = None
 
@@ -80,48 +80,6 @@ def token_dtype(vocab_size: int):
 def open_indexed(prefix: str):
     with quiet_megatron_logs():
         return mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
-
-
-# A temporary's writer: "<pid>@<host>-<random>" inside its name (see writer_tag).
-_WRITER = re.compile(r"(?P<pid>\d+)@(?P<host>[^/@]+)-[0-9a-f]{8}")
-
-
-def writer_tag() -> str:
-    """Names this process's temporaries so that a later run can tell whether their writer died."""
-    return f"{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-
-
-def writer_is_dead(name: str) -> bool:
-    """True when `name` carries a writer tag of this host whose process no longer exists.
-
-    Temporaries of another host (a shared file system) or of a live process are left alone.
-    """
-    m = _WRITER.search(os.path.basename(name))
-    if m is None or m["host"] != socket.gethostname():
-        return False
-    try:
-        os.kill(int(m["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, someone else's
-        return False
-    return False
-
-
-def remove_dead_temporaries(pattern: str) -> List[str]:
-    """Delete the files/directories matching `pattern` whose writer died; returns their paths."""
-    import shutil
-
-    removed = []
-    for path in sorted(glob.glob(pattern)):
-        if writer_is_dead(path):
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            removed.append(path)
-    return removed
 
 
 class PrefixInUse(Exception):

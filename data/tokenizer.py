@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from atomic_files import write_atomically
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -156,18 +157,8 @@ def _with_post_processing(spec: TokenizerSpec) -> TokenizerSpec:
 
 
 def save_tokenizer_atomic(tok: Tokenizer, path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tokenizer-", suffix=".json.tmp", dir=d)
-    os.close(fd)
-    try:
-        tok.save(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomically(path, lambda tmp: tok.save(str(tmp)))
 
 
 def tokenizer_sha256(tok: Tokenizer) -> str:

@@ -45,6 +45,7 @@ transformers 5 saves the `model.` prefix as `backbone.` (its conversion_mapping.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -54,6 +55,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from atomic_files import (remove_dead_temporaries, temporary_for, temporary_pattern,
+                          writer_is_dead)
 from errors import ConfigError, ExitCode
 
 from .config import ModelConfig
@@ -679,6 +682,22 @@ def not_replaceable(directory: Path) -> Optional[str]:
     return None
 
 
+def _recover_dead_exports(output: Path) -> None:
+    """What an export killed mid-way (SIGKILL, the OOM killer) left beside `output`: its
+    unfinished copy goes (a 12B one is ~25 GB); a previous export it had moved aside goes back
+    under its name when nothing took that name since, and goes otherwise."""
+    remove_dead_temporaries(temporary_pattern(output))
+    for old in sorted(glob.glob(temporary_pattern(output, "old"))):
+        if not writer_is_dead(old):
+            continue
+        if not os.path.lexists(output):
+            os.replace(old, output)
+            log.warning(f"{output}: put back the previous export that a killed export had "
+                        f"moved aside ({Path(old).name})")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], tokenizer,
                  max_shard_size: str | int = "5GB", about: Optional[Mapping] = None,
                  serving=None) -> None:
@@ -695,8 +714,8 @@ def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], t
 
     output = Path(os.path.realpath(output))  # a link to a directory: what it points at is replaced
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".tmp-{output.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _recover_dead_exports(output)
+    tmp = temporary_for(output)
     try:
         with torch.device("meta"):  # no memory: the weights are assigned below
             model = NemotronHForCausalLM(config)
@@ -725,7 +744,7 @@ def write_hf_dir(output: Path, config, state_dict: Mapping[str, torch.Tensor], t
             if problem is not None:
                 raise HFError(f"--output {output}: {problem}; nothing was replaced")
         if output.exists():  # empty, or --overwrite: the old one goes only once the new is whole
-            old = output.parent / f".old-{output.name}-{os.getpid()}"
+            old = temporary_for(output, "old")
             os.replace(output, old)
             try:
                 os.replace(tmp, output)

@@ -1,9 +1,10 @@
 """The top-level packages form layers: each imports only the layers below it, so no import cycle
 can form among them.
 
-    errors, compat, nvfp4_recipe    import none of the project's other packages
+    errors, compat, nvfp4_recipe,   import none of the project's other packages
+    atomic_files
     field_ranges                    <- errors
-    data                            <- errors, field_ranges
+    data                            <- errors, field_ranges, atomic_files
     model                           <- errors, field_ranges, compat, nvfp4_recipe
     training                        <- model, data and everything below them
     launch, benchmarks              <- training and everything below it
@@ -30,13 +31,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-_FLOOR = {"errors", "compat", "nvfp4_recipe", "field_ranges"}
+_FLOOR = {"errors", "compat", "nvfp4_recipe", "field_ranges", "atomic_files"}
 BELOW = {
     "errors": set(),
     "compat": set(),
     "nvfp4_recipe": set(),
+    "atomic_files": set(),  # whole-or-nothing writes and dead writers' temporaries
     "field_ranges": {"errors"},  # the config schemas' declared ranges (nvfp4_recipe's wheel lacks it)
-    "data": {"errors", "field_ranges"},
+    "data": {"errors", "field_ranges", "atomic_files"},
     "model": _FLOOR,
     "training": _FLOOR | {"model", "data"},
     "launch": _FLOOR | {"training", "model", "data"},

@@ -61,11 +61,11 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from atomic_files import write_text_atomically
 from errors import ExitCode
 from field_ranges import above, at_least, check_fields, within
 from model.flops import flops_per_token_terms, gemm_weights
@@ -478,16 +478,7 @@ def write_plan(plan: dict, run_dir) -> Path:
     run; no other file in run_dir is created, read or modified."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json.tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(plan, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, run_dir / "plan.json")
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomically(run_dir / "plan.json", json.dumps(plan, indent=1) + "\n")
     return run_dir / "plan.json"
 
 

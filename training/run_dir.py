@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from atomic_files import write_text_atomically
 from errors import ExitCode, ProjectError
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -146,25 +147,14 @@ def check_output_file(output: Path, run_dir: Path, *, overwrite: bool, flag: str
 
 
 def write_output_file(output: Path, text: str, *, overwrite: bool) -> None:
-    """Write `text` to `output` through a temporary beside it: a reader never sees a half-written
-    file, and a link planted at `output` meanwhile is replaced, never followed. Without
-    `overwrite` the temporary is linked into place, so a file that appeared there since
+    """Write `text` to `output` whole (atomic_files): a link planted at `output` meanwhile is
+    replaced, never followed; without `overwrite` a file that appeared there since
     check_output_file is kept (OutputRefused)."""
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "x") as f:
-            f.write(text)
-        if overwrite:
-            os.replace(tmp, output)
-        else:
-            try:
-                os.link(tmp, output)
-            except FileExistsError:
-                raise OutputRefused(f"--output={output}: appeared while this command ran; kept "
-                                    "as it is (pass --overwrite to replace it)") from None
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        write_text_atomically(output, text, replace=overwrite)
+    except FileExistsError:
+        raise OutputRefused(f"--output={output}: appeared while this command ran; kept as it "
+                            "is (pass --overwrite to replace it)") from None
 
 
 def holder() -> dict:

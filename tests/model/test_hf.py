@@ -362,7 +362,7 @@ def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, shared_r
                     "--step", "2"]) == 0
     assert not (out / "model.safetensors.index.json").exists()  # one 5GB-limit file now
     assert _safetensors(out).keys() == expected.keys()
-    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
+    assert not list(tmp_path.glob(".*.tmp-*")) and not list(tmp_path.glob(".*.old-*"))
     assert hf_export.main([str(run_dir), "--output", str(tmp_path / "other"),
                     "--step", "7"]) == 2
     assert "step_0000007" in capsys.readouterr().err and not (tmp_path / "other").exists()
