@@ -94,6 +94,20 @@ def test_a_corrupt_newest_checkpoint_falls_back_on_one_rank_too(tmp_path, caplog
         find_resume_checkpoint(tmp_path, single)
 
 
+def test_the_12b_projection_splits_the_checkpoint_over_the_ranks_that_write_it():
+    from benchmarks.checkpoint_scaling import PARAMS_12B, per_rank_bytes, projection
+
+    total = PARAMS_12B * 14  # BF16 weights, FP32 master weights, two FP32 Adam moments
+    assert round(total / 1e9, 1) == 172.3
+    assert per_rank_bytes(PARAMS_12B, 1, 1) == total
+    assert round(per_rank_bytes(PARAMS_12B, 4, 184) / 1e6) == 234
+    rows = {row["layout"]: row for row in projection(1e9, 2e9)}
+    paper = rows["paper, TP=4 x DP=184"]
+    assert paper["ranks"] == 736 and paper["before_s"] == round(total / 1e9, 1)
+    assert paper["after_s"] == round(total / 736 / 2e9, 1)
+    assert rows["DP=1, TP=4"]["after_s"] == round(total / 4 / 2e9, 1)
+
+
 # -- slow: two gloo processes ------------------------------------------------------------------
 
 
