@@ -21,6 +21,7 @@ from typing import Dict, Iterator, Optional
 import numpy as np
 
 from atomic_files import remove_dead_temporaries, writer_tag
+from errors import ConfigError, ExitCode, ProjectError
 
 _MCORE: Optional[SimpleNamespace] = None
 
@@ -82,13 +83,15 @@ def open_indexed(prefix: str):
         return mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
-class PrefixInUse(Exception):
+class PrefixInUse(ProjectError):
     """Another process holds an output prefix's lock, or its lock file is one that must not be
-    opened (a link, another user's, not a regular file)."""
+    opened (a link, another user's, not a regular file): exit 5."""
+
+    code = ExitCode.IN_USE
 
 
-class OutputExists(Exception):
-    """The output is there and may not be replaced."""
+class OutputExists(ConfigError):
+    """The output is there and may not be replaced (exit 2)."""
 
 
 LOCK_SUFFIX = ".lock"

@@ -76,7 +76,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from errors import ExitCode
+from errors import ConfigError, ExitCode, ProjectError
 
 JSON_EXTS = (".jsonl", ".ndjson", ".json")
 PARQUET_EXTS = (".parquet", ".pq")
@@ -91,24 +91,36 @@ Record = Tuple[int, int, object]
 
 
 
-class StrictError(Exception):
-    pass
+# The refusals of this command are errors.ProjectError's, each with its exit code; main prints
+# the message. Those raised once tokenizing began say that no output was written.
+NOTHING_WRITTEN = "; no output written"
 
 
-class InputError(Exception):
+class StrictError(ProjectError):
+    """--strict: a record that cannot be read (exit 7)."""
+
+    code = ExitCode.BAD_INPUT
+
+
+class InputError(ProjectError):
     """An input that cannot be read to its end (a truncated or corrupt .gz): exit 7."""
 
+    code = ExitCode.BAD_INPUT
 
-class OutputError(Exception):
+
+class OutputError(ProjectError):
     """The output cannot be written (read-only, not a directory, no permission, disk full): exit 8."""
+
+    code = ExitCode.UNWRITABLE
 
 
 def _cannot_write(output: str, exc: OSError) -> OutputError:
     where = f": {exc.filename}" if exc.filename else ""
-    return OutputError(f"--output {output} cannot be written: {exc.strerror or exc}{where}")
+    return OutputError(f"--output {output} cannot be written: {exc.strerror or exc}{where}"
+                       f"{NOTHING_WRITTEN}")
 
 
-class UsageError(Exception):
+class UsageError(ConfigError):
     """Bad arguments or inputs, found before anything is written (exit 2)."""
 
 
@@ -410,7 +422,7 @@ def _whole_file_records(fi: int, path: str, kind: str, text_doc: str) -> Iterato
                 if buf:
                     yield fi, start, b"".join(buf)
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # only gzip raises these here
-            raise InputError(_gzip_problem(path, f, e, *read)) from None
+            raise InputError(_gzip_problem(path, f, e, *read) + NOTHING_WRITTEN) from None
 
 
 def _gzip_problem(path: str, f, exc: Exception, done: int, lines: int) -> str:
@@ -657,15 +669,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return check_prefixes(args.inputs, workers=args.workers)
     try:
         job = _plan(args)
-    except UsageError as e:
+    except ProjectError as e:
         _error(str(e))
-        return ExitCode.CONFIG
+        return e.code
     if job is None:  # a complete shard: nothing to do
         return ExitCode.OK
     import signal
     import threading
 
-    from data.indexed import OutputExists, PrefixInUse, PrefixLock
+    from data.indexed import PrefixLock
 
     in_main = threading.current_thread() is threading.main_thread()  # signal() works only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
@@ -677,21 +689,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise _cannot_write(args.output, e) from None
         _refuse_if_changed(args, job, "since this run started")
         return _run(args, job)
-    except PrefixInUse as e:
+    except ProjectError as e:  # each refusal carries its exit code
         _error(str(e))
-        return ExitCode.IN_USE
-    except (UsageError, OutputExists) as e:
-        _error(str(e))
-        return ExitCode.CONFIG
-    except InputError as e:
-        _error(f"{e}; no output written")
-        return ExitCode.BAD_INPUT
-    except OutputError as e:
-        _error(f"{e}; no output written")
-        return ExitCode.UNWRITABLE
-    except StrictError as e:
-        _error(f"{e} (--strict); no output written")
-        return ExitCode.BAD_INPUT
+        return e.code
     except KeyboardInterrupt:
         _error("interrupted: no output written")
         return ExitCode.INTERRUPTED
@@ -932,7 +932,8 @@ def _run(args, job: Job) -> int:
                         results = [(loc + k, t, r) for k, (t, r) in enumerate(_arrow_texts(payload, args.text_column))]
                     for at, text, reason in results:
                         if reason is not None and args.strict:
-                            raise StrictError(f"{where(fi, at)}: {reason}")
+                            raise StrictError(f"{where(fi, at)}: {reason} (--strict)"
+                                              f"{NOTHING_WRITTEN}")
                         if text and text.strip():
                             yield text
 
@@ -980,7 +981,8 @@ def _run(args, job: Job) -> int:
                 if bad:
                     for fi, loc, reason in bad:
                         if args.strict:
-                            raise StrictError(f"{where(fi, loc)}: {reason}")
+                            raise StrictError(f"{where(fi, loc)}: {reason} (--strict)"
+                                              f"{NOTHING_WRITTEN}")
                         stats.bad[reason.split(" (")[0].split(" at ")[0]] += 1
                         if len(stats.bad_examples) < 10:
                             stats.bad_examples.append(f"{where(fi, loc)}: {reason}")

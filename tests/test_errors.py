@@ -54,7 +54,9 @@ def test_no_module_defines_exit_codes_of_its_own():
 
 
 def test_project_errors_carry_their_codes():
+    from data import prepare
     from data.config import DataConfigError, MissingDataError
+    from data.indexed import OutputExists, PrefixInUse
     from model.hf import HFError
     from training.checkpoint import CheckpointMismatch, CheckpointNotWritten, NoUsableCheckpoint
     from training.metrics import WandbUnavailable
@@ -69,7 +71,11 @@ def test_project_errors_carry_their_codes():
                 NoUsableCheckpoint("x"): ExitCode.NO_USABLE_CHECKPOINT,
                 CheckpointRefused("x"): ExitCode.NO_USABLE_CHECKPOINT,
                 WandbUnavailable("x"): ExitCode.WANDB_UNAVAILABLE,
-                RunDirBusy("x"): ExitCode.IN_USE, UnsafeFile("/a", "is a link"): ExitCode.UNWRITABLE}
+                RunDirBusy("x"): ExitCode.IN_USE, UnsafeFile("/a", "is a link"): ExitCode.UNWRITABLE,
+                prepare.UsageError("x"): ExitCode.CONFIG, prepare.StrictError("x"): ExitCode.BAD_INPUT,
+                prepare.InputError("x"): ExitCode.BAD_INPUT,
+                prepare.OutputError("x"): ExitCode.UNWRITABLE,
+                PrefixInUse("x"): ExitCode.IN_USE, OutputExists("x"): ExitCode.CONFIG}
     for error, code in expected.items():
         assert isinstance(error, ProjectError) and error.code is code, (type(error), error.code)
     # Config errors stay ValueErrors (Python's convention for a bad value).
