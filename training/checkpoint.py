@@ -339,15 +339,18 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
                   for name, meta in _hash_files(tmp, own).items()}
     except OSError as exc:
         hashed, failure = {}, _not_written(exc, final, tmp)
+    # A checkpoint already under this step's name is checked the same way, each rank its share,
+    # to say what it was when rank 0 moves it aside.
+    previous = _check_share(final, ctx) if os.path.lexists(final) else None
     log.debug(f"rank {ctx.rank}: hashed {len(hashed)} checkpoint files "
               f"({sum(m['bytes'] for m in hashed.values()) / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - hashing:.1f} s")
-    reports = _gather_on_main((hashed, failure), ctx)
+    reports = _gather_on_main((hashed, failure, previous), ctx)
     if ctx.is_main and failure is None:
-        failure = next((f for _, f in reports if f is not None), None)
+        failure = next((f for _, f, _ in reports if f is not None), None)
     if ctx.is_main and failure is None:
         try:
-            files = {name: meta for report, _ in reports for name, meta in report.items()}
+            files = {name: meta for report, _, _ in reports for name, meta in report.items()}
             # a file no rank claimed (one another node's listing did not show yet): rank 0's
             unclaimed = [n for n in _files_of(tmp) if n not in files]
             files.update({n: {**m, "rank": 0} for n, m in _hash_files(tmp, unclaimed).items()})
@@ -359,7 +362,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
                         "files": dict(sorted(files.items()))}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             if os.path.lexists(final):  # kept, out of the way, and said for what it is
-                set_aside(root, [final], _why_replaced(final))
+                set_aside(root, [final], _why_replaced([p for _, _, p in reports]))
             os.replace(tmp, final)
             _apply_retention(root, keep_last)
         except OSError as exc:  # the manifest, set_aside's directory
@@ -474,11 +477,21 @@ def _make_temporary(root: Path, step: int, ctx: ParallelContext) -> Path:
     return tmp
 
 
-def _why_replaced(final: Path) -> str:
-    problem = (verify_checkpoint(final) if final.is_dir() and not final.is_symlink()
-               else "not a checkpoint directory")
-    if problem:
-        return f"it is unusable ({problem}) and this step is being saved again"
+def _check_share(path: Path, ctx: ParallelContext) -> str:
+    """What verify_checkpoint finds wrong with this rank's share of `path` ("" for nothing)."""
+    if not path.is_dir() or path.is_symlink():
+        return "not a checkpoint directory"
+    return verify_checkpoint(path, ctx.rank, ctx.world_size) or ""
+
+
+def _why_replaced(problems: list[Optional[str]]) -> str:
+    """Why a checkpoint under the name being saved is moved aside, from every rank's check of
+    its share (None: a rank that did not see it)."""
+    found = [(rank, p) for rank, p in enumerate(problems) if p]
+    if found:
+        rank, problem = found[0]
+        by = f", found by rank {rank}" if len(problems) > 1 else ""
+        return f"it is unusable ({problem}{by}) and this step is being saved again"
     return ("it is an intact checkpoint of this step from an earlier attempt that this run did "
             "not resume from; this run's own replaces it")
 

@@ -112,7 +112,8 @@ def test_the_12b_projection_splits_the_checkpoint_over_the_ranks_that_write_it()
 
 
 def _worker(rank: int, world: int, port: int, root: str, out: str, phase: str) -> None:
-    """One rank: save step_2 and step_4 ("save"), or pick the checkpoint to resume ("resume");
+    """One rank: save step_2 and step_4 ("save"), step_4 again ("resave"), or pick the
+    checkpoint to resume ("resume");
     write which files this rank hashed (and, on rank 0, the warnings) to out/<phase>_rank<r>.json."""
     from training import checkpoint as ckpt
     from training.distributed import init_distributed, shutdown
@@ -134,7 +135,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str, phase: str) -
     ctx = init_distributed(1, 1, "gloo")
     result: dict = {}
     try:
-        if phase == "save":
+        if phase in ("save", "resave"):
             from model.build import build_model
             from model.config import ModelConfig
             from nvfp4_recipe.policy import PrecisionConfig
@@ -146,7 +147,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str, phase: str) -
                                PrecisionConfig(name="bf16", format="bf16"), vocab_size=256,
                                backend="emulated", params_dtype=mp.PARAMS_DTYPE).module
             _, optimizer = mp.build_data_parallel_model(core, TrainerConfig(), ctx)
-            for step in (2, 4):
+            for step in (2, 4) if phase == "save" else (4,):
                 ckpt.save_checkpoint(Path(root), step, ctx, model=core, optimizer=optimizer,
                                      optimizer_format=mp.optimizer_checkpoint_format(ctx.device,
                                                                                      False),
@@ -202,3 +203,12 @@ def test_two_ranks_hash_their_own_files_and_resume_catches_a_flipped_byte_in_ran
     # rank 0 never read rank 1's file: the check ran where the file was written
     assert not any(p.endswith(shard) for p in resumed[0]["hashed"])
     assert any(p.endswith(shard) for p in resumed[1]["hashed"])
+
+    # saving step 4 again: the corrupt one is checked the same way and moved aside for what it is
+    resaved = _run("resave", root, out)
+    moved = next(w for w in resaved[0]["warnings"] if w.startswith("moved step_0000004"))
+    assert f"unusable ({shard} does not match its checksum, found by rank 1)" in moved, moved
+    assert not any(p.endswith(shard) and "abandoned" not in p and ".tmp" not in p
+                   for p in resaved[0]["hashed"])
+    (aside,) = root.glob("abandoned-*")
+    assert (aside / "step_0000004" / shard).exists() and verify_checkpoint(newest) is None
