@@ -209,6 +209,11 @@ def check_sync(out: dict) -> bool:
 # the 12B's (recipes/model/nemotron_h_12b.yaml: 40 heads, 8 groups, kv_channels 128) at seq 4096.
 SDPA_SHAPES = (("demo", 256, 4, 8, 2, 32), ("12b", 4096, 1, 40, 8, 128))
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+# What torch chooses, read in pytorch main at 001f694 (after 2.11;
+# aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): priority_order puts cuDNN first when
+# check_prefer_cudnn_attention holds (runtime cuDNN > 9.15.0 on cc 9.x/10.x); can_use_flash_attention
+# takes GQA; can_use_mem_efficient_attention takes GQA there (supports_gqa) but not through 2.11,
+# per the reading. Neither is assumed: the check records what this torch does.
 # The aten op each backend runs (torch/nn/functional.py dispatches scaled_dot_product_attention
 # to one of these; they show as CPU-side op events in the profiler).
 SDPA_OPS = {"cudnn": "_scaled_dot_product_cudnn_attention",

@@ -412,9 +412,11 @@ def test_resume_demo_copies_one_checkpoint_and_checks_what_the_run_said(tmp_path
 
 
 @pytest.mark.slow
-def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp_path, data_cache):
+def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp_path, data_cache,
+                                                                             monkeypatch):
     """`OUT=... GPU_CHECK_QUICK=1 bash launch/gpu_check.sh` without CUDA: the CUDA parts skip with
-    the reason, the warm-up, the demos, the resume (same losses, bitwise on CPU) and the bench pass."""
+    the reason, the warm-up, the demos, the resume (same losses, bitwise on CPU) and the bench pass.
+    Then the resume part's own command, resumed with another learning rate, fails at step 4."""
     out = tmp_path / "gpu_check"
     proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OUT": str(out), "GPU_CHECK_QUICK": "1", "COLUMNS": "200",
@@ -444,3 +446,24 @@ def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp
     assert "resumed from" in (out / "resume.log").read_text()
     assert "Planned from the parts' estimates" in summary and "- bench: runs (limit" in summary
     assert "MAMBA_DETERMINISTIC=1" in summary
+    # what tests/benchmarks/test_bench.py checked of the CPU mode before these parts existed
+    for name in ("gpu_check.log", "hardware.json", "bench.json", "bench.md", "cuda_tests.xml", "cuda_tests.log",
+                 "ssd_triton.json", "demo_bf16/metrics.jsonl", "demo_nvfp4/metrics.jsonl", "plan.txt"):
+        assert (out / name).exists(), name
+    assert "NO CUDA DEVICE" in proc.stdout and "No CUDA device was visible" in summary
+    assert re.search(r"- demo_nvfp4: 2 steps, loss [0-9.]+ -> [0-9.]+, median tokens/s", summary)
+    assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 2
+    assert summary.count("trainer.checkpoint_layout=dp_reshardable") == 2
+    assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 2
+    assert "precision nvfp4: emulated GEMMs" in summary and "## bench" in summary
+    # the same resume with another learning rate: step 3 (the restored weights' forward) still
+    # equal, step 4 not; the command is the one the script ran (its log line), run.dir moved
+    from launch.gpu_check_plan import resume_demo
+
+    line = next(l for l in (out / "gpu_check.log").read_text().splitlines() if "== resume (limit" in l)
+    train = line.split(" -- ", 1)[1].split()
+    bad = tmp_path / "resumed_other_lr"
+    train = [f"run.dir={bad}" if a.startswith("run.dir=") else a for a in train] + ["trainer.lr=1.0e-2"]
+    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
+    ok, why = resume_demo(out / "demo_bf16", bad, 2, 0.0, 1, train)
+    assert not ok and why.startswith("step 4: loss "), why
