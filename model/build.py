@@ -15,9 +15,9 @@ from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisi
 from nvfp4_recipe.megatron.te_runtime import te_layer_context, te_linear_context
 
 from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
-from .config import ModelConfig
+from .config import ModelConfig, precision_policy  # noqa: F401  (re-exported)
 from .recompute import RecomputeConfig
-from .specs import LINEAR_NAMES, portable_layer_spec, te_layer_spec, with_linear_contexts
+from .specs import portable_layer_spec, te_layer_spec, with_linear_contexts
 from .stack import HybridStack
 
 
@@ -31,13 +31,6 @@ class BuiltModel:
     # the build's device-dependent decisions, for the start-up line: Mamba scan, Wgrad fusion,
     # where the weights were initialised
     paths: str = ""
-
-
-def precision_policy(cfg: ModelConfig, precision: PrecisionConfig) -> PrecisionPolicy:
-    """The one precision policy of a model: every linear's format (raises ValueError for a bad
-    `precision` key, e.g. an override pattern that matches no linear)."""
-    return PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
-                           cfg.bf16_last_layers, linear_names=LINEAR_NAMES)
 
 
 def gradient_accumulation_fusion(backend: str, main_grads: bool, apex_fused_wgrad: bool) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from errors import ConfigError
 from field_ranges import above, at_least, check_fields
+from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy
 
 LAYER_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}
 
@@ -101,3 +102,18 @@ class ModelConfig:
 
     def layer_kinds(self) -> list[str]:
         return [LAYER_SYMBOLS[c] for c in self.pattern]
+
+
+# The linears of each layer kind, by their names inside the layer (megatron's).
+LINEAR_NAMES = {
+    "mamba": ("mixer.in_proj", "mixer.out_proj"),
+    "attention": ("self_attention.linear_qkv", "self_attention.linear_proj"),
+    "mlp": ("mlp.linear_fc1", "mlp.linear_fc2"),
+}
+
+
+def precision_policy(cfg: ModelConfig, precision: PrecisionConfig) -> PrecisionPolicy:
+    """The one precision policy of a model: every linear's format (raises ValueError for a bad
+    `precision` key, e.g. an override pattern that matches no linear)."""
+    return PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
+                           cfg.bf16_last_layers, linear_names=LINEAR_NAMES)

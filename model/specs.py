@@ -34,17 +34,10 @@ from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisio
 from nvfp4_recipe.registry import gemm_config_for
 
 from .attention import PortableSelfAttention, SDPACoreAttention
-from .config import ModelConfig
+from .config import LINEAR_NAMES, ModelConfig
 from .mamba_mixer import MambaMixer, MambaMixerSubmodules
 
 # The linears of each layer kind, by their megatron module names (plan.json uses these).
-LINEAR_NAMES = {
-    "mamba": ("mixer.in_proj", "mixer.out_proj"),
-    "attention": ("self_attention.linear_qkv", "self_attention.linear_proj"),
-    "mlp": ("mlp.linear_fc1", "mlp.linear_fc2"),
-}
-
-
 def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState):
     """(column spec, row spec) of a layer's two linears, each in its own format (the policy's)."""
     column_name, row_name = LINEAR_NAMES[decision.kind]

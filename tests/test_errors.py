@@ -97,6 +97,32 @@ def test_a_missing_init_from_directory_exits_3(tmp_path, demo_corpus):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_value_error_outside_the_config_checks_of_the_start_up_is_a_bug(
+        tmp_path, demo_corpus, monkeypatch):
+    """Only the calls that check the config turn a ValueError into exit 2: one raised by the
+    preflight's own code (a bug there) keeps its traceback instead of reading as a bad value."""
+    from hydra import compose, initialize_config_dir
+
+    from training import entry
+    from training.config import register_configs
+
+    def broken_preflight(*args, **kwargs):
+        raise ValueError("a bug in the preflight")
+
+    monkeypatch.setattr("training.preflight.run_preflight", broken_preflight)
+    register_configs()
+    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
+        raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}",
+                                          f"data.cache_dir={demo_corpus[0]}"])
+        bad = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}",
+                                          f"data.cache_dir={demo_corpus[0]}",
+                                          "precision.switch_to_bf16.at_fraction=1.5"])
+    with pytest.raises(ValueError, match="a bug in the preflight"):
+        entry.run(raw)
+    assert entry.run(bad) == ExitCode.CONFIG  # a bad value is still exit 2
+    assert not (tmp_path / "run").exists()
+
+
 FAIL_IN_FIT = """
 import training.trainer as trainer
 def train_step(self, micro_batches, sink=None):

@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from data.config import DataConfig, check_files_exist, check_runnable
 from errors import ConfigError
 from field_ranges import above, at_least, check_fields, within
-from model.config import ModelConfig
+from model.config import ModelConfig, precision_policy
 from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers
@@ -276,6 +276,7 @@ def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
                                 cfg.model.bf16_last_layers)
         pipeline_stages(cfg.model.num_layers, p, cfg.parallel.first_stage_layers,
                         cfg.parallel.last_stage_layers)
+        precision_policy(cfg.model, cfg.precision)  # e.g. an override matching no linear
     except ConfigError:
         raise
     except ValueError as exc:

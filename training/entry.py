@@ -27,9 +27,11 @@ log = logging.getLogger("nvfp4_pretrain")
 
 @contextlib.contextmanager
 def _config_errors():
-    """Start-up checks: a ValueError raised while checking the config (by the recipe's pure
-    rules, megatron's or torch's argument checks) is a config error, exit 2. Only here: after
-    start-up a ValueError is a bug and exits 1 with its traceback."""
+    """Around the calls that check the config and nothing else: a ValueError they raise (the
+    recipe's pure rules, which ship without this project's errors, or a dataclass's own
+    check) is a config error, exit 2. Everywhere else, the rest of the start-up included (the
+    process group, the preflight, the evaluation tasks), a ValueError is a bug and exits 1 with
+    its traceback."""
     try:
         yield
     except ProjectError:
@@ -43,40 +45,43 @@ def _start_up(raw):
     written: (config, parallel context, GEMM preflight); (config, context, None) for a dry run."""
     with _config_errors():
         cfg: TrainConfig = OmegaConf.to_object(raw)
-        if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
-            from .plan import plan_world_size
+    if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
+        from .plan import plan_world_size
 
-            ctx = init_distributed(1, 1, cfg.parallel.backend)
-            validate(cfg, plan_world_size(cfg))
-            return cfg, ctx, None
-        # every group, data files included, before anything is written and before megatron
+        with _config_errors():
+            world = plan_world_size(cfg)
+            validate(cfg, world)
+        return cfg, init_distributed(1, 1, cfg.parallel.backend), None
+    with _config_errors():  # every group, data files included, before anything is written
         validate(cfg, launched_world_size())
-        ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                               timeout_minutes=cfg.parallel.timeout_minutes)
-        from model.build import choose_backend
-        from nvfp4_recipe.megatron.te_runtime import check_te_switch
+    ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
+                           timeout_minutes=cfg.parallel.timeout_minutes)
+    from model.build import choose_backend
+    from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
-        from .preflight import run_preflight
+    from .preflight import run_preflight
 
+    with _config_errors():  # the config against this machine
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
-        ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU (exit 2)
+        ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU
         if backend == "te":
-            from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
+            check_te_switch(cfg.precision.switch_to_bf16.passes,
+                            cfg.precision.switch_to_bf16.at_fraction)
+    if backend == "te":
+        from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
 
-            switch = cfg.precision.switch_to_bf16
-            check_te_switch(switch.passes, switch.at_fraction)
-            refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
-            if refusal:
-                raise ConfigError(refusal)
-        preflight = run_preflight(cfg, backend, ctx.hardware)
-        refusal = preflight.refusal()  # also: an override matching nothing
+        refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
         if refusal:
             raise ConfigError(refusal)
-        if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
-            from .downstream import prepare_tasks
+    preflight = run_preflight(cfg, backend, ctx.hardware)
+    refusal = preflight.refusal()  # also: an override matching nothing
+    if refusal:
+        raise ConfigError(refusal)
+    if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
+        from .downstream import prepare_tasks
 
-            prepare_tasks(list(cfg.evaluation.tasks))
-        return cfg, ctx, preflight
+        prepare_tasks(list(cfg.evaluation.tasks))
+    return cfg, ctx, preflight
 
 
 def run(raw) -> int:

@@ -264,7 +264,7 @@ class _Parameters:
 def _count_parameters(built, m, tensor: int, vocab_padded: int) -> _Parameters:
     """Counts the built model's parameters, and checks that every built linear has the format
     the precision policy chose and that the FLOP model sees the GEMMs that were built."""
-    from model.specs import LINEAR_NAMES
+    from model.config import LINEAR_NAMES
 
     module = built.module
     sharded = sharded_param_ids(module)
