@@ -100,6 +100,35 @@ def _d_inner(cfg: ModelConfig) -> int:
     return cfg.mamba_num_heads * cfg.mamba_head_dim
 
 
+# ModelConfig field <-> NemotronH config.json key, and the layer kind that has it (None: all).
+HF_FIELDS = (
+    ("hidden_size", "hidden_size", None),
+    ("ffn_hidden_size", "intermediate_size", "mlp"),
+    ("num_attention_heads", "num_attention_heads", "attention"),
+    ("num_query_groups", "num_key_value_heads", "attention"),
+    ("kv_channels", "head_dim", "attention"),
+    ("mamba_num_heads", "mamba_num_heads", "mamba"),
+    ("mamba_head_dim", "mamba_head_dim", "mamba"),
+    ("mamba_state_dim", "ssm_state_size", "mamba"),
+    ("mamba_num_groups", "n_groups", "mamba"),
+    ("layernorm_epsilon", "layer_norm_epsilon", None),
+)
+# The ModelConfig fields that shape the weights (the norms' epsilon shapes none).
+WEIGHT_SHAPE_FIELDS = ("pattern",) + tuple(ours for ours, _, _ in HF_FIELDS
+                                           if ours != "layernorm_epsilon")
+# What this project's layers always are: {config.json key: (our value, transformers' default
+# where the key is absent, configuration_nemotron_h.py:97-151)}.
+FIXED_HF_FIELDS = {
+    "conv_kernel": (CONV_KERNEL, 4),
+    "mlp_hidden_act": ("relu2", "relu2"),  # megatron's squared_relu (model/build.py)
+    "mamba_hidden_act": ("silu", "silu"),
+    "use_conv_bias": (True, True),
+    "use_bias": (False, False), "mlp_bias": (False, False), "attention_bias": (False, False),
+    "mamba_proj_bias": (False, False),
+    "tie_word_embeddings": (False, False),
+}
+
+
 def hf_config_fields(cfg: ModelConfig, vocab_size: int, *, eos_token_id: Optional[int],
                      bos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
                      dtype: str = "bfloat16") -> dict:
@@ -107,21 +136,9 @@ def hf_config_fields(cfg: ModelConfig, vocab_size: int, *, eos_token_id: Optiona
     d_inner = _d_inner(cfg)
     return {
         "vocab_size": vocab_size,
-        "hidden_size": cfg.hidden_size,
         "layers_block_type": [HF_LAYER_TYPES[k] for k in cfg.layer_kinds()],
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.kv_channels,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "mlp_hidden_act": "relu2",  # megatron's squared_relu (model/build.py)
-        "attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
-        "mamba_num_heads": cfg.mamba_num_heads,
-        "mamba_head_dim": cfg.mamba_head_dim,
-        "ssm_state_size": cfg.mamba_state_dim,
-        "n_groups": cfg.mamba_num_groups,
-        "conv_kernel": CONV_KERNEL,
-        "use_conv_bias": True,
-        "mamba_hidden_act": "silu",
+        **{theirs: getattr(cfg, ours) for ours, theirs, _ in HF_FIELDS},
+        **{key: ours for key, (ours, _) in FIXED_HF_FIELDS.items()},
         # Not read by the mixer (its width is mamba_num_heads x mamba_head_dim,
         # modeling_nemotron_h.py:405); recorded as megatron's expand when it is a whole number.
         "expand": d_inner // cfg.hidden_size if d_inner % cfg.hidden_size == 0 else 2,
@@ -129,9 +146,7 @@ def hf_config_fields(cfg: ModelConfig, vocab_size: int, *, eos_token_id: Optiona
         "time_step_min": NO_STEP_SIZE_CLAMP,
         "time_step_max": DT_MAX,
         "time_step_floor": DT_INIT_FLOOR,
-        "layer_norm_epsilon": cfg.layernorm_epsilon,
         "residual_in_fp32": False,
-        "tie_word_embeddings": False,
         "max_position_embeddings": cfg.max_sequence_length,
         "initializer_range": cfg.init_method_std,
         "bos_token_id": bos_token_id,
@@ -208,17 +223,8 @@ def config_mismatches(hf: Mapping, cfg: ModelConfig, vocab_size: Optional[int]) 
     if pattern != cfg.pattern:
         found.append(f"model.pattern={cfg.pattern!r} but the checkpoint's layers are "
                      f"{pattern!r} (hybrid_override_pattern / layers_block_type)")
-    same = [("hidden_size", "hidden_size"), ("ffn_hidden_size", "intermediate_size"),
-            ("num_attention_heads", "num_attention_heads"),
-            ("num_query_groups", "num_key_value_heads"), ("kv_channels", "head_dim"),
-            ("mamba_num_heads", "mamba_num_heads"), ("mamba_head_dim", "mamba_head_dim"),
-            ("mamba_state_dim", "ssm_state_size"), ("mamba_num_groups", "n_groups"),
-            ("layernorm_epsilon", "layer_norm_epsilon")]
     kinds = set(cfg.layer_kinds())
-    kind_of = {"ffn_hidden_size": "mlp", "num_attention_heads": "attention",
-               "num_query_groups": "attention", "kv_channels": "attention"}
-    for ours, theirs in same:
-        kind = "mamba" if ours.startswith("mamba_") else kind_of.get(ours)
+    for ours, theirs, kind in HF_FIELDS:
         if kind is not None and kind not in kinds:
             continue  # a size of a layer kind neither pattern has
         if hf.get(theirs) != getattr(cfg, ours):
@@ -226,14 +232,7 @@ def config_mismatches(hf: Mapping, cfg: ModelConfig, vocab_size: Optional[int]) 
     if vocab_size is not None and hf.get("vocab_size") != vocab_size:
         found.append(f"the model's vocabulary is {vocab_size} (model.vocab_size, or the "
                      f"data.tokenizer's size when null) but vocab_size={hf.get('vocab_size')}")
-    # What this project's layers cannot represent (transformers' defaults where a key is absent,
-    # configuration_nemotron_h.py:97-151).
-    fixed = [("conv_kernel", CONV_KERNEL, 4), ("mlp_hidden_act", "relu2", "relu2"),
-             ("mamba_hidden_act", "silu", "silu"), ("use_conv_bias", True, True),
-             ("use_bias", False, False), ("mlp_bias", False, False),
-             ("attention_bias", False, False), ("mamba_proj_bias", False, False),
-             ("tie_word_embeddings", False, False)]
-    for key, required, default in fixed:
+    for key, (required, default) in FIXED_HF_FIELDS.items():  # what our layers cannot represent
         if hf.get(key, default) != required:
             found.append(f"{key}={hf.get(key)!r} (this project builds {required!r})")
     return found

@@ -17,13 +17,10 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
+from model.hf import WEIGHT_SHAPE_FIELDS
 
 log = logging.getLogger("nvfp4_pretrain")
 
-# The fields that shape the weights (model.vocab_size is checked by the tensors' own shapes).
-SHAPE_FIELDS = ("pattern", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "kv_channels", "mamba_num_heads", "mamba_head_dim",
-                "mamba_state_dim", "mamba_num_groups")
 
 
 def is_run_dir(path) -> bool:
@@ -46,8 +43,9 @@ def check_run_init(cfg: ModelConfig) -> Path:
         checkpoint = pick_checkpoint(run_dir, None)
     except HFError as exc:
         raise HFError(f"model.init_from={run_dir}: {exc}") from None
+    # model.vocab_size is checked by the tensors' own shapes
     differ = [f"model.{key}={getattr(cfg, key)!r} but the run has {getattr(theirs, key)!r}"
-              for key in SHAPE_FIELDS if getattr(cfg, key) != getattr(theirs, key)]
+              for key in WEIGHT_SHAPE_FIELDS if getattr(cfg, key) != getattr(theirs, key)]
     if differ:
         raise HFError(f"model.init_from={run_dir}: its model differs: {'; '.join(differ)}; set "
                       "model.* to the run's values (its config.yaml)")
