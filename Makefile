@@ -28,7 +28,7 @@ test-fast: setup
 bench: setup  ## the hardware bench (benchmarks/hardware.py): GEMMs at 12B shapes, training steps
 	$(PY) -m benchmarks.hardware $(ARGS)
 
-gpu-check:  ## on a GPU machine: CUDA tests, Triton SSD check, 30-step demos, bench -> runs/gpu_check/
+gpu-check:  ## on a GPU machine, < 10 min: GPU path, CUDA tests, SSD check, warm-up, syncs, demos, resume, bench -> runs/gpu_check/
 	bash launch/gpu_check.sh
 
 # `make gpu-wheels`: a wheelhouse for launch/gpu_check.sh on an offline GPU machine with CPython

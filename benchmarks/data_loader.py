@@ -26,6 +26,8 @@ from typing import Dict
 
 import numpy as np
 
+from errors import ExitCode
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "data"
 
 
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
               f"-> phase {big['locate'][0]}, source {big['locate_source']}, its sample #{big['locate'][2]:,}")
     t.add_row("read sample 1,000,000,000 (10T)", f"{big['sample_ms']:.1f} ms", "incl. building that epoch's indices")
     con.print(t)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

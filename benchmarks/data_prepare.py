@@ -26,6 +26,8 @@ from typing import Dict, List
 
 from .machine import machine_summary
 
+from errors import ExitCode
+
 
 def _sources() -> List[str]:
     from pydoc_data.topics import topics
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
         print(f"| {tname} | {fmt} | {w} | {s:.1f} | {r['file_bytes'] / s / 1e6:.2f} | {r['tokens'] / s:,.0f} | "
               f"{r['tokens'] / s / w:,.0f} | {r['cpu']:.1f} | {r['tokens'] / r['cpu']:,.0f} | "
               f"{r['text_bytes'] / r['tokens']:.2f} | {r['load'][0]:.1f} -> {r['load'][1]:.1f} |")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

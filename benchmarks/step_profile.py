@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from errors import ExitCode
 from nvfp4_recipe.compute import GEMM_COMPUTE
 
 from .machine import MachineLoad, machine_summary
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sysconfig
 from typing import Dict, List, Tuple
 
 from atomic_files import write_atomically
-from errors import ConfigError, MissingError
+from errors import ConfigError, ExitCode, MissingError
 
 SNAPSHOT_PYTHON = "3.11.7"
 SNAPSHOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_corpus")
@@ -102,13 +102,13 @@ def main(argv=None) -> int:
                 size = sum(len(text.encode("utf-8")) for _, text in docs)
                 print(f"{cat}: {len(docs)} documents, {size:,} bytes")
             print(f"{SNAPSHOT_PATH}: {os.path.getsize(SNAPSHOT_PATH):,} bytes (CPython {SNAPSHOT_PYTHON})")
-            return 0
+            return ExitCode.OK
         if platform.python_version() != SNAPSHOT_PYTHON:
             # Another Python's texts would change the corpus key and every golden loss.
             raise ConfigError(f"--write on Python {platform.python_version()}: the snapshot is "
                               f"CPython {SNAPSHOT_PYTHON}'s texts; run it there")
         print(f"{SNAPSHOT_PATH}: {write():,} bytes")
-        return 0
+        return ExitCode.OK
     except (ConfigError, MissingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return int(e.code)

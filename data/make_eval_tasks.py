@@ -23,6 +23,8 @@ from pathlib import Path
 
 from .demo import _ITEMS, _NAMES, math_documents
 
+from errors import ExitCode
+
 OUTPUT = Path(__file__).resolve().parent / "eval_tasks"
 SEED = 20250925
 
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for path in write(args.output, args.docs, args.seed):
         print(path)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -47,18 +47,24 @@
 # (comma list, default all), GPU_CHECK_BUDGET_S (whole run; GPU default 540 s), GPU_CHECK_SITE
 # (default .cache/gpu_check_site), GPU_CHECK_AUTOTUNE=1 (mamba's full autotuning), DEMO_STEPS,
 # BENCH_TRAIN_MODELS (GPU default demo,1b), NVFP4_CACHE (demo corpus cache). Exit status 0 when no
-# part failed (skips are not failures), else 1.
+# part failed (skips are not failures), else 10 (errors.ExitCode.CHECK_FAILED).
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
+# Exit codes, errors.ExitCode's (tests/test_errors.py checks that they agree): a part that
+# reports itself skipped exits EXIT_SKIPPED; this script exits EXIT_CHECK_FAILED when a part failed.
+EXIT_MISSING=3
+EXIT_UNWRITABLE=8
+EXIT_CHECK_FAILED=10
+EXIT_SKIPPED=77
 OUT=${OUT:-runs/gpu_check}
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 QUICK=${GPU_CHECK_QUICK:-0}
 ALL_PARTS=deps,gpu_path,cuda_tests,ssd_triton,warmup,gpu_sync,demo_bf16,resume,demo_nvfp4,bench
 PARTS=${GPU_CHECK_PARTS:-$ALL_PARTS}
 SITE=${GPU_CHECK_SITE:-$REPO/.cache/gpu_check_site}
-mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 1; }
+mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit $EXIT_UNWRITABLE; }
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
 # a rerun (e.g. of some parts) must not report an earlier run's results
@@ -75,7 +81,7 @@ declare -a RESULTS=()
 FAILED=0
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    say "PyTorch is not importable with PYTHON=$PYTHON: install a CUDA build of torch first"; exit 1
+    say "PyTorch is not importable with PYTHON=$PYTHON: install a CUDA build of torch first"; exit $EXIT_MISSING
 fi
 if [ "$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then MODE=gpu; else MODE=cpu; fi
 # The budget and each part's estimate and limit: launch/gpu_check_plan.py (BUDGET_S, GPU_PARTS, CPU_PARTS).
@@ -121,10 +127,10 @@ if cases and all(s is not None for s in skips):
     print(" ".join(skips[0].get("message", "no reason given").split()))
 EOF
 )
-        [ -n "$why" ] && rc=77 && echo "skipped: $why" >> "$OUT/$name.log"
+        [ -n "$why" ] && rc=$EXIT_SKIPPED && echo "skipped: $why" >> "$OUT/$name.log"
     fi
     if [ $rc -eq 0 ]; then status=ok
-    elif [ $rc -eq 77 ]; then status="skipped: $(grep '^skipped: ' "$OUT/$name.log" | tail -n 1 | cut -c 10- | tr '|' '/')"
+    elif [ $rc -eq $EXIT_SKIPPED ]; then status="skipped: $(grep '^skipped: ' "$OUT/$name.log" | tail -n 1 | cut -c 10- | tr '|' '/')"
     elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="FAILED (timed out after ${limit} s)"
     else status="FAILED (exit $rc, see $name.log)"; fi
     say "$name: $status (${dt} s)"
@@ -397,4 +403,5 @@ part bench "${TRAIN_ENV[@]}" "$PYTHON" -m benchmarks.hardware "${BENCH_ARGS[@]}"
 write_summary
 cat "$OUT/summary.md" | tee -a "$LOG"
 say "everything is in $OUT"
-exit $FAILED
+[ "$FAILED" -eq 0 ] || exit $EXIT_CHECK_FAILED
+exit 0

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from errors import ExitCode
+
 # Below this many seconds no part can do anything useful (a CUDA start-up alone takes ~5-10 s).
 MIN_PART_S = 15
 BUDGET_S = {"gpu": 540, "cpu": 900}
@@ -222,16 +224,16 @@ def main(argv=None) -> int:
         for row in plan(PARTS[args.mode], budget, selected):
             print(f"{row['part']}: " + (f"runs (limit {row['limit_s']} s)" if row["run"]
                                         else f"skipped: {row['reason']}"))
-        return 0
+        return ExitCode.OK
     if args.command == "decide":
         limit, reason = decide(part_named(args.mode, args.part), args.left,
                                args.budget or BUDGET_S[args.mode])
         print(f"run {limit}" if limit is not None else f"skip {reason}")
-        return 0
+        return ExitCode.OK
     train = args.train[1:] if args.train[:1] == ["--"] else args.train
     ok, line = resume_demo(args.demo, args.into, args.from_step, args.rtol, args.exact_steps, train)
     print(f"resume: {'ok' if ok else 'FAILED'}: {line}")
-    return 0 if ok else 1
+    return ExitCode.OK if ok else ExitCode.CHECK_FAILED
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ launch/gpu_check.sh).
 
     python -m launch.gpu_path_check [--json PATH] [--sections sdpa,scan,grad_norm,sync]
 
-Exit status: 0 when every section passed, 1 when one failed, 77 skipped without CUDA (the reason
-printed last). Each section prints one verdict line and adds its numbers to the JSON. The
+Exit status (errors.ExitCode): 0 when every section passed, 10 when one failed, 77 skipped
+without CUDA (the reason printed last). Each section prints one verdict line and adds its numbers to the JSON. The
 verdicts are pure functions of what was recorded, tested on CPU (tests/launch/test_gpu_check.py).
 Sections run in the order given; the script runs sdpa, scan, grad_norm first (no compiles), sync
 in a part of its own after the compile warm-up.
@@ -47,9 +47,9 @@ from typing import Optional
 
 import torch
 
+from errors import ExitCode
 from model.device import cuda_present
 
-SKIP_EXIT = 77
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("sdpa", "scan", "grad_norm", "sync")
 # This project's code, as _where names it: a synchronizing call from here once per micro-batch fails.
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not cuda_present():
         print("skipped: needs a CUDA device; none visible to torch")
-        return SKIP_EXIT
+        return ExitCode.SKIPPED
     out, ok = {}, True
     checks = {"sync": check_sync, "sdpa": check_sdpa, "scan": check_scan, "grad_norm": check_grad_norm}
     for name in args.sections.split(","):
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
             print(f"{name}: FAILED ({type(exc).__name__}: {exc})")
         if args.json:  # after each section: a part that times out keeps what it measured
             Path(args.json).write_text(json.dumps(out, indent=2, default=str))
-    return 0 if ok else 1
+    return ExitCode.OK if ok else ExitCode.CHECK_FAILED
 
 
 if __name__ == "__main__":

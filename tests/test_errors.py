@@ -32,25 +32,74 @@ def test_the_readme_table_is_the_enum():
     assert documented == {int(code) for code in ExitCode}
 
 
+def _int_literal(node) -> bool:
+    """An int written as a number (`0`, `2`, `0 if ok else 1`), not a name (ExitCode.OK)."""
+    if isinstance(node, ast.IfExp):
+        return _int_literal(node.body) or _int_literal(node.orelse)
+    return (isinstance(node, ast.Constant) and isinstance(node.value, int)
+            and not isinstance(node.value, bool))
+
+
+def _returns_of(function: ast.FunctionDef):
+    """The return statements of `function` itself, not of functions defined inside it."""
+    stack = list(function.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Return):
+            yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def exit_code_leaks(path: Path) -> list[str]:
+    """Where a module defines or returns exit codes of its own: a class ExitCode, a module-level
+    name with EXIT in it bound to a number, a `main` returning a number."""
+    where, tree = path.relative_to(REPO) if path.is_relative_to(REPO) else path, None
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and _int_literal(node.value):
+            found += [f"{where}:{node.lineno}: {t.id} = {ast.unparse(node.value)}"
+                      for t in node.targets if isinstance(t, ast.Name) and "EXIT" in t.id.upper()]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "ExitCode":
+            found.append(f"{where}: class ExitCode")
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            found += [f"{where}:{r.lineno}: main returns {ast.unparse(r.value)}"
+                      for r in _returns_of(node) if r.value is not None and _int_literal(r.value)]
+    return found
+
+
 def test_no_module_defines_exit_codes_of_its_own():
-    """Only errors.py: no EXIT_* constants, no other ExitCode class, no exit-code numbers in the
-    launchers but the one the Slurm script compares, which must equal the enum's."""
+    """Only errors.py: no module-level EXIT constant (SKIP_EXIT = 77 was one), no other ExitCode
+    class, no `main` returning a bare number; each launcher's EXIT_<NAME>=<n> is the enum's, and
+    it exits with no other number but 0 and 1 (a bug)."""
     found = []
     for path in product_files():
         if path.name == "errors.py" and path.parent == REPO:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.name == "ExitCode":
-                found.append(f"{path.relative_to(REPO)}: class ExitCode")
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            for target in targets:
-                for name in ast.walk(target):
-                    if isinstance(name, ast.Name) and name.id.startswith("EXIT_"):
-                        found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name.id}")
+        found += exit_code_leaks(path)
     assert not found, found
-    sbatch = (REPO / "launch" / "slurm.sbatch").read_text()
-    assert int(re.search(r"^EXIT_PREEMPTED=(\d+)", sbatch, re.MULTILINE).group(1)) == \
-        ExitCode.PREEMPTED
+    for script in sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "launch").glob("*.sbatch")):
+        text = "\n".join(line for line in script.read_text().splitlines()
+                         if not line.lstrip().startswith("#"))  # comments may say "exit 75"
+        for name, value in re.findall(r"^EXIT_(\w+)=(\d+)", text, re.MULTILINE):
+            assert ExitCode[name] == int(value), (script.name, name, value)
+        bare = [n for n in re.findall(r"\bexit (\d+)", text) if n not in ("0", "1")]
+        assert not bare, (script.name, bare)
+
+
+def test_the_exit_code_guard_finds_what_it_must(tmp_path):
+    module = tmp_path / "tool.py"
+    module.write_text("SKIP_EXIT = 77\nMAX_EXITS = 3\nOK = 0\n"
+                      "def main():\n"
+                      "    def helper():\n"
+                      "        return 5\n"
+                      "    if helper():\n"
+                      "        return 0 if True else 1\n"
+                      "    return ExitCode.OK\n")
+    assert exit_code_leaks(module) == [f"{module}:1: SKIP_EXIT = 77", f"{module}:2: MAX_EXITS = 3",
+                                       f"{module}:8: main returns 0 if True else 1"]
 
 
 def test_project_errors_carry_their_codes():

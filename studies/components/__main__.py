@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from errors import MissingError, ProjectError
+from errors import ExitCode, MissingError, ProjectError
 
 from . import REPO
 from .report import read_results, write_report
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     write_report(results, out)
     print(f"report: {out}/README.md, rht.png, sr.png, weight2d.png, layers.png, formats.png, "
           f"results.json")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -130,44 +130,6 @@ def test_flops_and_peaks():
     assert bf16_peak_tflops(None)[0] is None
 
 
-@pytest.mark.slow
-def test_gpu_check_cpu_quick_mode_writes_its_folder(tmp_path, data_cache):
-    import re
-
-    out = tmp_path / "gpu_check"
-    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
-                          env={**ENV, "OUT": str(out), "GPU_CHECK_QUICK": "1",
-                               "PYTHON": sys.executable, "GPU_CHECK_NO_INSTALL": "1",
-                               "GPU_CHECK_SITE": str(tmp_path / "site"),
-                               "NVFP4_CACHE": str(data_cache)},
-                          timeout=400)
-    summary = (out / "summary.md").read_text()
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    for name in ("gpu_check.log", "hardware.json", "bench.json", "bench.md", "cuda_tests.xml",
-                 "cuda_tests.log", "ssd_triton.json", "demo_bf16/metrics.jsonl", "demo_nvfp4/metrics.jsonl"):
-        assert (out / name).exists(), name
-    # one row per part, in order, each with its status
-    rows = re.findall(r"^\| (\w+) \| (.+) \| \d+ s \|$", summary, flags=re.M)
-    assert [name for name, _ in rows] == ["deps", "cuda_tests", "gpu_path", "ssd_triton", "demo_bf16",
-                                          "demo_nvfp4", "bench"]
-    status = dict(rows)
-    assert status["deps"] == "ok" and "- ok megatron-core" in summary
-    if not torch.cuda.is_available():
-        assert "NO CUDA DEVICE" in proc.stdout and "No CUDA device was visible" in summary
-        # skipped with the reason, not passed and not failed
-        assert status["cuda_tests"] == "skipped: needs a CUDA device (none visible to torch)"
-        assert status["gpu_path"].startswith("skipped:")
-        assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
-    for part in ("demo_bf16", "demo_nvfp4", "bench"):
-        assert status[part] == "ok", (part, status[part])
-    # each demo is summarised, and ran on BF16 weights with the distributed optimizer and full recompute
-    for demo in ("demo_bf16", "demo_nvfp4"):
-        assert re.search(rf"- {demo}: 2 steps, loss [0-9.]+ -> [0-9.]+, median tokens/s", summary), demo
-    assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 2
-    assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 2
-    assert "precision nvfp4: emulated GEMMs" in summary and "## bench" in summary
-
-
 def test_load_report_marks_a_loaded_machine():
     from benchmarks.machine import LOADED_OTHER_CPUS, LoadReport
 

@@ -156,12 +156,12 @@ def test_deps_installs_the_wheelhouse_offline_beside_the_environment(tmp_path):
     proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "Installed offline" not in (out / "summary.md").read_text()
-    # no wheelhouse where WHEELS points: a failed deps row, exit 1
+    # no wheelhouse where WHEELS points: a failed deps row, exit 10
     env["WHEELS"] = str(tmp_path / "nowhere")
     proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     summary = (out / "summary.md").read_text()
-    assert proc.returncode == 1
+    assert proc.returncode == ExitCode.CHECK_FAILED
     assert f"| deps | FAILED (WHEELS={tmp_path / 'nowhere'} is not a folder" in summary
 
 
@@ -188,7 +188,7 @@ def test_gpu_path_check_skips_without_cuda_and_names_lines_by_repository_path(ca
     libraries' relative to site-packages."""
     from launch import gpu_path_check
 
-    assert gpu_path_check.main([]) == gpu_path_check.SKIP_EXIT
+    assert gpu_path_check.main([]) == ExitCode.SKIPPED
     assert capsys.readouterr().out.strip() == "skipped: needs a CUDA device; none visible to torch"
     assert gpu_path_check._where(str(REPO / "nvfp4_recipe" / "nvfp4.py")).startswith(gpu_path_check.OURS)
     import megatron.core.optimizer.clip_grads as clip
@@ -437,6 +437,7 @@ def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp
     assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
     for name in ("deps", "warmup", "demo_bf16", "resume", "demo_nvfp4", "bench"):
         assert status[name] == "ok", (name, status[name])
+    assert "- ok megatron-core" in summary
     # demo_bf16 ran 2 + 2 steps with a checkpoint at 2; the resume trained steps 3-4 from it, bitwise
     assert re.search(r"- demo_bf16: 4 steps, loss [0-9.]+ -> [0-9.]+", summary)
     assert re.search(r"- resume: ok: steps 3-4 from the step-2 checkpoint: losses 3: [0-9.]+, 4: [0-9.]+, "
