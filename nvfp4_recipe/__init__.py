@@ -1,4 +1,4 @@
-"""NVFP4 pretraining numerics: quantizers (NVFP4, MXFP4, FP8 block), the 16-point RHT, stochastic
+"""NVFP4 pretraining numerics: quantizers (NVFP4, MXFP4, MXFP8, FP8 block), the 16-point RHT, stochastic
 rounding, and emulated quantized linear layers bit-exact to Transformer Engine's formulas; the
 format registry (registry.py: each format's config, emulated ops, TE recipe, device rules) and
 the precision policy (policy.py: the `precision` config and each linear's format); how each
@@ -20,6 +20,7 @@ from nvfp4_recipe.fp8_block import FP8BlockTensor, quantize_fp8_block
 from nvfp4_recipe.hadamard import TE_RHT_SIGNS, random_hadamard_transform, rht_matrix
 from nvfp4_recipe.linear import nvfp4_linear, quantized_linear
 from nvfp4_recipe.mxfp4 import MXFP4Tensor, quantize_mxfp4
+from nvfp4_recipe.mxfp8 import MXFP8Tensor, quantize_mxfp8
 from nvfp4_recipe.nvfp4 import NVFP4Tensor, quantize_nvfp4
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "FP8BlockTensor",
     "MXFP4Config",
     "MXFP4Tensor",
+    "MXFP8Tensor",
     "NVFP4Config",
     "NVFP4Tensor",
     "QuantConfig",
@@ -36,6 +38,7 @@ __all__ = [
     "quantize_dequantize",
     "quantize_fp8_block",
     "quantize_mxfp4",
+    "quantize_mxfp8",
     "quantize_nvfp4",
     "quantized_linear",
     "random_hadamard_transform",
