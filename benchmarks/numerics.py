@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         help="what BF16 GEMMs compute in (default: this CPU's policy)")
     parser.add_argument("--linear-sizes", default=None, metavar="N,N",
                         help="the linear fwd+bwd sizes only (e.g. 2048), skipping the quantize rows")
+    parser.add_argument("--quant-sizes", default=None, metavar="N,N",
+                        help="the quantize sizes only (e.g. 4096), skipping the linear rows")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved rounds of the quantize rows (the linear rows: 2N+1)")
     args = parser.parse_args(argv)
     if args.background_load < 0:
         parser.error(f"--background-load must be >= 0, got {args.background_load}")
@@ -156,7 +160,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         except ValueError:
             parser.error(f"--linear-sizes={args.linear_sizes!r}: comma-separated integers")
         quant_sizes = []
-    repeats = 3
+    if args.quant_sizes:
+        try:
+            quant_sizes = [int(n) for n in args.quant_sizes.split(",")]
+        except ValueError:
+            parser.error(f"--quant-sizes={args.quant_sizes!r}: comma-separated integers")
+        linear_sizes = []
+    repeats = max(1, args.repeats)
     info = hardware_info()
     gemm = probe_hardware("cpu").gemm_compute(args.gemm_compute)
     info["gemm_compute"] = gemm.describe()
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             print(format_table(quant_rows, ["quantize (bf16)", "ms", "Melem/s", "speedup vs torchao",
                                             "speedup vs plain"]))
         linear_rows = [bench_linear(size, 2 * repeats + 1, gemm) for size in linear_sizes]
-        print(format_table(linear_rows, list(linear_rows[0])))
+        if linear_rows:
+            print(format_table(linear_rows, list(linear_rows[0])))
     print(f"machine: {load.report.line()}")
     results = {"hardware": info, "background_load": args.background_load, "load": load.report.to_json(),
                "quantize": quant_rows, "linear": linear_rows}

@@ -159,7 +159,7 @@ def _e2m1_codes_stochastic(x, encode, random_bytes) -> torch.Tensor:
     return _e2m1_codes(_round_stochastic(v, exponent, random_bytes), v < 0)
 
 
-# Packed codes in the kernel itself, on CPU: the kernel reads two adjacent elements as one integer
+# Packed codes in the kernel itself, on AVX2 CPUs (_packs_in_kernel): the kernel reads two adjacent elements as one integer
 # (BF16 pairs as int32, FP32 pairs as int64; contiguous loads, where x[:, 0::2] / x[:, 1::2] made
 # inductor emit slower strided ones) and writes each byte once, instead of writing one code per
 # byte and packing them in another pass. The halves are the elements' exact FP32 values (a BF16's
@@ -183,38 +183,30 @@ def _pack(even_codes: torch.Tensor, odd_codes: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _flat_pairs() -> bool:
-    """Whether the packed-codes kernel takes its pairs flat rather than (blocks, 8). Inductor
-    vectorizes the innermost dim in whole vectors only: 8 pairs per block fill AVX2's 8 FP32
-    lanes but none of AVX-512's 16, where the (blocks, 8) kernel ran scalar; flat, each vector
-    spans two blocks and loads their scales by index, which costs where a row would fill a
-    vector. Measured 4096^2 BF16, fastest of 15 under load: AVX-512 97 ms (blocks, 8) vs 19 ms
-    flat; AVX2 (ATEN_CPU_CAPABILITY=avx2) 28 ms vs 59 ms."""
+def _packs_in_kernel() -> bool:
+    """Whether the codes are packed in the kernel here: where inductor's CPU vectors hold 8 FP32
+    lanes (AVX2). It vectorizes the innermost dim in whole vectors only: a block's 8 pairs fill
+    AVX2's 8 lanes, while the one-code-per-byte kernel's 16 values per block fill AVX-512's 16.
+    Measured 4096^2 BF16 (the whole quantize_nvfp4, medians of 11 interleaved, 2026-12-03, an
+    Intel Xeon, load ~3): AVX2 (ATEN_CPU_CAPABILITY=avx2) 38 ms packed vs 69 ms per byte + pack;
+    AVX-512 the per-byte kernel + pack 28 ms, packed (flat, to fill 16 lanes) 31 ms, packed as
+    (blocks, 8) ran scalar."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
-    return bool(isa) and isa.nelements(torch.float32) > 8
+    return bool(isa) and isa.nelements(torch.float32) <= 8
 
 
-def _flat(pairs: torch.Tensor, encode: torch.Tensor, flat: bool):
-    if not flat:
-        return pairs, encode
-    return pairs.reshape(-1), encode.expand(-1, pairs.shape[1]).reshape(-1)
-
-
-def _packed_codes_nearest(pairs, encode, flat: bool) -> torch.Tensor:
+def _packed_codes_nearest(pairs, encode) -> torch.Tensor:
     """_e2m1_codes_nearest of both elements of each pair, packed (even in the low nibble)."""
-    pairs, encode = _flat(pairs, encode, flat)
     even, odd = _pair_halves(pairs)
     return _pack(_e2m1_codes_nearest(even, encode), _e2m1_codes_nearest(odd, encode))
 
 
-def _packed_codes_stochastic(pairs, encode, byte_pairs, flat: bool) -> torch.Tensor:
+def _packed_codes_stochastic(pairs, encode, byte_pairs) -> torch.Tensor:
     """As _packed_codes_nearest, stochastically rounded: `byte_pairs` holds each pair's two
     random bytes as one int16 (the even element's in the low byte), the bytes the eager kernel
     gives those elements."""
-    pairs, encode = _flat(pairs, encode, flat)
-    byte_pairs = byte_pairs.reshape(pairs.shape)
     even, odd = _pair_halves(pairs)
     even_bytes = torch.bitwise_and(byte_pairs.to(torch.int32), 0xFF)
     odd_bytes = torch.bitwise_and(torch.bitwise_right_shift(byte_pairs.to(torch.int32), 8), 0xFF)
@@ -317,13 +309,13 @@ def encode_codes(
     x, encode = _flat_blocks(x2d, block, encode)
     rows, k = x2d.shape
     pair_dtype = _PAIR_DTYPES.get(x.dtype)
-    if pair_dtype is not None and x.is_cpu:  # packed in the kernel (see _PAIR_DTYPES)
+    if pair_dtype is not None and x.is_cpu and _packs_in_kernel():  # see _PAIR_DTYPES
         pairs = x.view(pair_dtype)
         if stochastic:
             byte_pairs = draw_bytes_like(x, generator).view(torch.int16)
-            packed = _PACKED_STOCHASTIC(strict, pairs, encode, byte_pairs, _flat_pairs())
+            packed = _PACKED_STOCHASTIC(strict, pairs, encode, byte_pairs)
         else:
-            packed = _PACKED_NEAREST(strict, pairs, encode, _flat_pairs())
+            packed = _PACKED_NEAREST(strict, pairs, encode)
         return packed.view(rows, k // 2)
     if stochastic:
         codes = _CODES_STOCHASTIC(strict, x, encode, draw_bytes_like(x, generator))

@@ -126,7 +126,14 @@ def test_kernel_modes_are_validated_and_selected(monkeypatch):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_compiled_codes_of_quantize_nvfp4_are_bit_identical_to_eager(dtype, rounding):
+@pytest.mark.parametrize("packed_in_kernel", [False, True])
+def test_compiled_codes_of_quantize_nvfp4_are_bit_identical_to_eager(dtype, rounding,
+                                                                     packed_in_kernel, monkeypatch):
+    """Both compiled code kernels, whichever this CPU's vector width selects (AVX2: codes packed
+    in the kernel from element pairs; wider: one code per byte, then packed)."""
+    import nvfp4_recipe.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_packs_in_kernel", lambda: packed_in_kernel)
     for name, x in _inputs(dtype).items():
         for tile in ((1, 16), (16, 16)):
             eager, compiled = (quantize_nvfp4(x, tile, rounding, torch.Generator().manual_seed(9), kernels=k)
@@ -134,8 +141,7 @@ def test_compiled_codes_of_quantize_nvfp4_are_bit_identical_to_eager(dtype, roun
             assert torch.equal(eager.data, compiled.data), (name, tile)
             assert torch.equal(eager.scales.view(torch.uint8), compiled.scales.view(torch.uint8))
             assert torch.equal(eager.amax, compiled.amax)
-    # The packed-codes kernel runs over flat pairs: 3 x 48 values = 72 pairs, so a partial
-    # vector at the end (AVX-512's 16 lanes, AVX2's 8 both leave one), and an odd block count.
+    # An odd block count (9 blocks, 72 pairs): a partial vector at the end of a flat loop.
     x = (torch.randn(3, 48, generator=torch.Generator().manual_seed(2)) * 7).to(dtype)
     eager, compiled = (quantize_nvfp4(x, (1, 16), rounding, torch.Generator().manual_seed(9), kernels=k)
                        for k in ("eager", "compiled"))
