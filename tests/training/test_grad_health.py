@@ -132,7 +132,15 @@ def one_process(tmp_path_factory, data_cache) -> dict:
     """Step 1's per-layer gradient health in one process (the trainer's step, in this process):
     the norms every layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("grad-health") / "single"
-    (step,) = train_in_process(run_dir, data_cache, *ARGS, "trainer.max_steps=1")
+    # One thread, as torchrun gives each of its ranks (OMP_NUM_THREADS=1): a BF16 GEMM computed
+    # in FP32 (CPUs without BF16 instructions) sums in another order with 2 threads, and its
+    # BF16-rounded output moves the norms by ~1e-5, which the DP=2 comparison would read.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (step,) = train_in_process(run_dir, data_cache, *ARGS, "trainer.max_steps=1")
+    finally:
+        torch.set_num_threads(threads)
     assert set(step.health) == HEALTH_KEYS
     return step.health
 
