@@ -231,6 +231,10 @@ def main(argv=None) -> int:
         print(f"run {limit}" if limit is not None else f"skip {reason}")
         return ExitCode.OK
     train = args.train[1:] if args.train[:1] == ["--"] else args.train
+    if not step_dir(args.demo, args.from_step).is_dir():  # demo_bf16 was skipped, or its row failed
+        print(f"skipped: no step-{args.from_step} checkpoint of demo_bf16 to resume "
+              f"({args.demo}); demo_bf16's own row says why")
+        return ExitCode.SKIPPED
     ok, line = resume_demo(args.demo, args.into, args.from_step, args.rtol, args.exact_steps, train)
     print(f"resume: {'ok' if ok else 'FAILED'}: {line}")
     return ExitCode.OK if ok else ExitCode.CHECK_FAILED

@@ -41,6 +41,7 @@ import contextlib
 import json
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -67,6 +68,17 @@ def _where(filename: str) -> str:
         return str(path.relative_to(REPO))
     except ValueError:
         return str(path)
+
+
+def innermost_of_ours(stack) -> Optional[tuple[str, int]]:
+    """(filename, line) of the innermost frame of this project's code in `stack` ((filename,
+    line) pairs, outermost first), or None. torch raises its sync warning at the innermost
+    Python frame (`PyErr_WarnEx(..., 1)` in torch/csrc/Exceptions.cpp), which is torch's or
+    megatron's own wrapper when our code syncs through one: the sync is ours all the same."""
+    for filename, line in reversed(list(stack)):
+        if _where(filename).startswith(OURS):
+            return filename, line
+    return None
 
 
 def sync_lines(records) -> collections.Counter:
@@ -110,13 +122,30 @@ def sync_verdict(one_micro_batch, two_micro_batches) -> tuple[bool, dict, dict, 
     return True, extra, mine, ""
 
 
+@contextlib.contextmanager
+def warnings_at_our_frames():
+    """Every warning of the region, recorded (a list of warnings.WarningMessage) at the innermost
+    frame of our code that led to it, where there is one (innermost_of_ours)."""
+    records = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()[:-1]]
+        filename, lineno = innermost_of_ours(stack) or (filename, lineno)
+        records.append(warnings.WarningMessage(message, category, filename, lineno))
+
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        yield records
+
+
 class SyncCounter:
-    """Records the synchronizing CUDA calls of a region (warning records, and their count by line)."""
+    """Records the synchronizing CUDA calls of a region (warning records, and their count by
+    line), each placed at the innermost frame of our code that led to it."""
 
     def __enter__(self):
-        self._catch = warnings.catch_warnings(record=True)
+        self._catch = warnings_at_our_frames()
         self.records = self._catch.__enter__()
-        warnings.simplefilter("always")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         return self
@@ -321,7 +350,7 @@ def check_sdpa(out: dict, device: str = "cuda", shapes=SDPA_SHAPES) -> bool:
                     o, g, _ = _run_attention(module, shape, torch.bfloat16, device, backend)
                     results[backend] = {"errors": {"out": rel_l2(o, ref_out), "dqkv": rel_l2(g, ref_grad)}}
                 except RuntimeError as exc:
-                    why = [str(w.message) for w in caught] or [str(exc)]
+                    why = [str(exc)] + [str(w.message) for w in caught]  # torch's reasons after
                     results[backend] = {"rejected": " ".join(" ".join(why).split())[:300]}
         *_, ops = _run_attention(module, shape, torch.bfloat16, device)
         picked = backend_from_ops(ops)

@@ -122,9 +122,13 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+# Files each rank's writer splits its shard into (megatron's thread_count: writer threads, one
+# .distcp file each). 0.16.1 defaults to 2 (strategies/torch.py:602), core_v0.19.0 to 1
+# (strategies/torch.py:673, read when saving at :820, as 0.16.1 does at :665): set on the
+# strategy, so both write, and then hash, two files per rank in parallel.
+SAVE_THREADS = 2
 # Threads per rank for hashing its own files: hashlib and file reads release the GIL, and a rank
-# writes megatron's writer thread_count files (2 by default, strategies/torch.py:602 in 0.16.1)
-# plus its RNG file; more threads than files would idle.
+# writes SAVE_THREADS files plus its RNG file; more threads than files would idle.
 HASH_THREADS = 4
 # The files a rank writes into a checkpoint, by name: torch DCP's `__<rank>_<n>.distcp` (megatron's
 # FileSystemWriterAsync prefixes `__{global rank}_` in prepare_decentralized_global_plan,
@@ -167,6 +171,21 @@ def _hash_files(root: Path, names: list[str]) -> dict[str, dict]:
 
 def _files_of(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _files_written_by(root: Path, rank: int, world_size: int) -> list[str]:
+    """The files of checkpoint `root` that `rank` wrote. A rank other than 0 reads one directory
+    listing (no stat per entry: at 736 ranks x ~1.5k files, a walk of the whole tree by every
+    rank would be a million stats on the metadata server at once); rank 0 walks it all."""
+    if rank == 0:
+        return [n for n in _files_of(root) if writer_rank(n, world_size) == 0]
+    found = []
+    for directory in (root, root / "dist"):
+        with os.scandir(directory) as entries:
+            found += [str(Path(e.path).relative_to(root)) for e in entries
+                      if e.is_file(follow_symlinks=False)
+                      and writer_rank(str(Path(e.path).relative_to(root)), world_size) == rank]
+    return sorted(found)
 
 
 def _gather_on_main(value: Any, ctx: ParallelContext) -> Optional[list]:
@@ -317,6 +336,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     started = time.perf_counter()
     try:
         strategy = get_default_save_sharded_strategy()
+        strategy.thread_count = SAVE_THREADS
         group = _data_parallel_group(ctx)
         if group is not None:  # each replicated tensor written by one data-parallel rank
             strategy = fully_parallel_save(strategy, group)
@@ -334,7 +354,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     # the digests into the manifest.
     hashing = time.perf_counter()
     try:
-        own = [n for n in _files_of(tmp) if writer_rank(n, ctx.world_size) == ctx.rank]
+        own = _files_written_by(tmp, ctx.rank, ctx.world_size)
         hashed = {name: {**meta, "rank": ctx.rank}
                   for name, meta in _hash_files(tmp, own).items()}
     except OSError as exc:
@@ -550,7 +570,16 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> Optiona
     One process checks everything. Of `world_size` ranks, each checks its share in parallel:
     the files `verifying_rank` gives it (the ones it wrote, on the same layout); rank 0 also the
     shared files and that the directory holds nothing the manifest does not list. Every rank
-    checks the manifest and the name, so a torn checkpoint is refused by all of them alike."""
+    checks the manifest and the name, so a torn checkpoint is refused by all of them alike.
+    Never raises for what it reads: every rank must reach the collective that follows, so an
+    unreadable file is an answer, not an exception that leaves the others waiting."""
+    try:
+        return _verify(path, rank, world_size)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''})"
+
+
+def _verify(path: Path, rank: int, world_size: int) -> Optional[str]:
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
         return "no manifest (the write never finished)"
@@ -576,10 +605,7 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> Optiona
             return f"missing {name}"
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, expected {size}"
-    try:
-        hashed = _hash_files(path, list(mine))
-    except OSError as exc:
-        return f"unreadable ({exc})"
+    hashed = _hash_files(path, list(mine))
     for name, (_, sha256) in mine.items():
         if hashed[name]["sha256"] != sha256:
             return f"{name} does not match its checksum"

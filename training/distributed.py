@@ -100,7 +100,7 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto",
     world = dist.get_world_size()
     data_parallel_size(tensor, pipeline, world)  # megatron's own refusal would be a RuntimeError
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(  # its groups' timeout (parallel_state.py:819)
+        parallel_state.initialize_model_parallel(  # its groups' timeout (0.16.1 parallel_state.py:819, core_v0.19.0 :909)
             tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
             distributed_timeout_minutes=timeout_minutes,
         )

@@ -237,6 +237,32 @@ def test_per_micro_batch_syncs_leave_out_the_per_step_reads():
     assert not g.sync_verdict(_recorded([optimizer]), healthy_two)[0]
 
 
+def test_a_sync_made_through_a_library_wrapper_is_placed_at_our_calling_line():
+    """torch warns at the innermost Python frame: a per-micro-batch `.item()` of ours reached
+    through a torch or megatron wrapper would be counted as the library's and pass. The recorder
+    places it at our innermost frame; a warning with none of ours on the stack stays where it is."""
+    from launch import gpu_path_check as g
+
+    library = compile("import warnings\n"
+                      "def wrapper():\n"
+                      "    warnings.warn('called a synchronizing CUDA operation')\n",
+                      "/venv/lib/python3.12/site-packages/torch/wrapper.py", "exec")
+    scope = {}
+    exec(library, scope)
+    ours = compile("def step(wrapper):\n"
+                   "    wrapper()\n", str(REPO / "nvfp4_recipe" / "pretend.py"), "exec")
+    exec(ours, scope)
+    with g.warnings_at_our_frames() as records:
+        scope["step"](scope["wrapper"])  # ours -> the library's wrapper -> the warning
+        scope["wrapper"]()  # the library alone
+    assert g.sync_lines(records) == {"nvfp4_recipe/pretend.py:2": 1, "torch/wrapper.py:3": 1}
+    stack = [("/venv/lib/python3.12/site-packages/megatron/core/a.py", 7),
+             (str(REPO / "training" / "trainer.py"), 218), (str(REPO / "model" / "stack.py"), 40),
+             ("/venv/lib/python3.12/site-packages/torch/b.py", 3)]
+    assert g.innermost_of_ours(stack) == (str(REPO / "model" / "stack.py"), 40)
+    assert g.innermost_of_ours(stack[-1:]) is None
+
+
 # -- SDPA on the project's layout (part gpu_path) ---------------------------------------------------
 
 def test_sdpa_backend_names_and_verdict():
@@ -359,6 +385,21 @@ def test_plan_and_decide_from_the_command_line(capsys):
 
 
 # -- resume (part resume) --------------------------------------------------------------------------
+
+def test_the_resume_part_skips_when_demo_bf16_left_no_checkpoint(tmp_path, capsys):
+    """demo_bf16 skipped by the budget (or left out by GPU_CHECK_PARTS): the resume part says
+    skipped, not FAILED; a demo_bf16 that ran and failed has its own FAILED row."""
+    from errors import ExitCode
+    from launch import gpu_check_plan
+
+    code = gpu_check_plan.main(["resume", "--demo", str(tmp_path / "demo_bf16"), "--into",
+                                str(tmp_path / "resume"), "--from-step", "30", "--rtol", "0",
+                                "--", sys.executable, "-c", "raise SystemExit(3)"])
+    assert code == ExitCode.SKIPPED
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "skipped: no step-30 checkpoint of demo_bf16 to resume")
+    assert not (tmp_path / "resume").exists()
+
 
 def test_compare_resumed_losses():
     from launch.gpu_check_plan import compare_resumed, read_losses

@@ -80,6 +80,32 @@ def test_a_rank_verifies_only_its_share_and_one_process_verifies_all(tmp_path):
     assert "does not list" not in verify_checkpoint(path, 1, 2)
 
 
+def test_a_file_that_cannot_be_read_is_an_answer_not_an_exception(tmp_path, monkeypatch):
+    """Every rank must reach the collective after its check: an I/O error on a rank's share
+    (a Lustre OST gone) is reported as the checkpoint's problem, not raised on that rank alone."""
+    import errno
+
+    from training import checkpoint
+
+    path = _fake_checkpoint(tmp_path, 2)
+
+    def failing(file):
+        raise OSError(errno.EIO, "Input/output error", str(file))
+
+    monkeypatch.setattr(checkpoint, "_sha256", failing)
+    assert verify_checkpoint(path, 1, 2).startswith("unreadable (Input/output error: ")
+    assert verify_checkpoint(path, 0, 2).startswith("unreadable (Input/output error: ")
+
+
+def test_each_rank_lists_only_the_files_it_wrote(tmp_path):
+    from training.checkpoint import _files_written_by
+
+    path = _fake_checkpoint(tmp_path, 2)
+    assert _files_written_by(path, 1, 2) == ["dist/__1_0.distcp", "rng_rank1.pt"]
+    assert _files_written_by(path, 0, 2) == ["dist/.metadata", "dist/__0_0.distcp", MANIFEST,
+                                             "trainer.pt"]
+
+
 def test_a_corrupt_newest_checkpoint_falls_back_on_one_rank_too(tmp_path, caplog):
     single = ParallelContext(world_size=1, rank=0, tensor=1, pipeline=1, data=1, tensor_rank=0,
                              pipeline_rank=0, data_rank=0, device=torch.device("cpu"))
