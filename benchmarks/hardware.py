@@ -166,8 +166,7 @@ def scaled_mm_status(device: torch.device) -> tuple[bool, str]:
 def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warmup: int,
                 repeats: int, peak: float | None) -> list[dict[str, object]]:
     from nvfp4_recipe import NVFP4Config, nvfp4_linear
-    from nvfp4_recipe.linear import GemmOperand, emulated_gemm
-    from nvfp4_recipe.nvfp4 import nvfp4_scaled_values
+    from nvfp4_recipe.linear import emulated_gemm, ops_for
 
     rows: list[dict[str, object]] = []
     skip_rows: list[dict[str, object]] = []
@@ -191,10 +190,14 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
                             lambda: nvfp4_linear(x, w, None, NVFP4Config(gemm="exact"))),
         }
         # The same fast-mode GEMM on operands quantized once, outside the timing: the GEMM share.
-        xq = GemmOperand(*nvfp4_scaled_values(x, 1, dtype=torch.bfloat16))
-        wq = GemmOperand(*nvfp4_scaled_values(w, 16, dtype=torch.bfloat16))
+        # Quantized as the emulation quantizes them under this GEMM policy (FP32 operands where
+        # BF16 GEMMs compute in FP32), so the timed GEMM is the emulation's own.
+        with gemm.context():
+            fast_ops = ops_for(NVFP4Config(gemm="fast"), x.device)
+            xq, wq = fast_ops.activation(x), fast_ops.weight_fprop(w)
         paths["nvfp4 fast, pre-quantized"] = (
-            "emulated GEMM only (nvfp4_recipe, fast)", lambda: emulated_gemm(xq, wq, torch.bfloat16))
+            "emulated GEMM only (nvfp4_recipe, fast)",
+            lambda: emulated_gemm(xq, wq, torch.bfloat16, fast_ops.gemm_out_dtype))
         notes = {"bf16": gemm.describe(), "fp32": "FP32 tensors",
                  "nvfp4 fast": "quantizes x (1x16) and W (16x16) per call",
                  "nvfp4 exact": "fp32 GEMM of q*s; quantizes per call",
