@@ -55,7 +55,7 @@ import torch
 
 from errors import ConfigError, ExitCode, ProjectError
 
-from .distributed import ParallelContext, barrier
+from .distributed import ParallelContext, any_rank, barrier
 from .run_dir import remove_temporary
 from .safe_load import CheckpointRefused  # noqa: F401  (raised from here, caught by the trainer)
 
@@ -197,17 +197,6 @@ def _gather_on_main(value: Any, ctx: ParallelContext) -> Optional[list]:
     box = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(value, box, dst=0)
     return box
-
-
-def _any_rank(flag: bool, ctx: ParallelContext) -> bool:
-    """Whether `flag` holds on any rank (one all-reduce; every rank gets the answer)."""
-    import torch.distributed as dist
-
-    if ctx.world_size == 1:
-        return flag
-    box = torch.full((), float(flag), device=ctx.device)  # a fill, not a host-to-device copy
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return bool(box.item())
 
 
 def _broadcast_str(value: str, ctx: ParallelContext) -> str:
@@ -471,7 +460,7 @@ def _not_written(exc: BaseException, final: Path, tmp: Path) -> str:
 def _agree_or_raise(failure: Optional[str], ctx: ParallelContext, final: Path, tmp: Path) -> None:
     """Every rank learns whether any rank failed (this is also the save's barrier); if one did,
     rank 0 removes the temporary and every rank raises CheckpointNotWritten."""
-    failed = _any_rank(failure is not None, ctx)
+    failed = any_rank(failure is not None, ctx)
     if not failed:
         return
     if ctx.is_main:
@@ -642,7 +631,7 @@ def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
     for name in reversed(names):
         candidate = root / name
         problem = verify_checkpoint(candidate, ctx.rank, ctx.world_size)
-        if not _any_rank(problem is not None, ctx):
+        if not any_rank(problem is not None, ctx):
             return candidate
         problems = _gather_on_main(problem, ctx)
         if ctx.is_main:

@@ -161,6 +161,16 @@ def step_loss_and_stop(loss: torch.Tensor, stop: bool, ctx: ParallelContext) -> 
     return total, stops > 0
 
 
+def any_rank(flag: bool, ctx: ParallelContext) -> bool:
+    """Whether `flag` holds on any rank: one all-reduce, every rank gets the answer. The flag is
+    a fill on the device, not a host-to-device copy (NCCL needs it on the device)."""
+    if ctx.world_size == 1:
+        return flag
+    box = torch.full((), float(flag), device=ctx.device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item())
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -6,10 +6,7 @@ import logging
 import signal
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-
-from .distributed import ParallelContext
+from .distributed import ParallelContext, any_rank
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -55,8 +52,4 @@ class StopSignal:
         an evaluation). Within the loop each step's flag rides in its loss reduction instead
         (Trainer.train_step), so a step adds no host sync for it: a signal that arrives after
         that reduction is acted on at the end of the next step, one step later at most."""
-        if ctx.world_size == 1:
-            return self.requested
-        flag = torch.full((), float(self.requested), device=ctx.device)  # a fill, not a copy
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.requested, ctx)
