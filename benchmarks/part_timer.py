@@ -1,6 +1,6 @@
 """Wall time per part of a training step, from hooks that only the step profile installs.
 
-The numerics carry no timer (issue 29 item 4): while a `PartTimer` is entered, each function that
+The numerics carry no timer (a timer in the hot path would cost every step): while a `PartTimer` is entered, each function that
 does one part of the step (STEP_PARTS) is replaced, wherever the project binds it, by a wrapper
 that times the call, and put back on exit. Outside a profile the step runs the very functions it
 always runs; tests/nvfp4_recipe/test_parts.py checks that none is left wrapped.

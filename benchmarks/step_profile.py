@@ -1,4 +1,4 @@
-"""Where one training step's time goes, BF16 against emulated NVFP4 (issue 16, item 1).
+"""Where one training step's time goes, BF16 against emulated NVFP4.
 
     python -m benchmarks.step_profile [--steps 3] [--repeats 3] [--out docs/benchmarks/step-profile.md]
 

@@ -2,8 +2,8 @@
 
 The demo corpus trains on English prose about Python (``pydoc_data.topics``) and the standard
 library's top-level ``*.py`` files. Read from the running interpreter, those texts change with
-every Python version, and with them the corpus key, the tokens and the golden losses (issue 29:
-the golden test skipped on 3.12). So ``data.demo`` reads them from
+every Python version, and with them the corpus key, the tokens and the golden losses (the
+golden test could not compare on Python 3.12). So ``data.demo`` reads them from
 ``data/demo_corpus/cpython-3.11.7-texts.json.xz`` (PSF License, see data/demo_corpus/NOTICE), the
 same texts on every Python.
 

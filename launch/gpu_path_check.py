@@ -9,7 +9,7 @@ verdicts are pure functions of what was recorded, tested on CPU (tests/launch/te
 Sections run in the order given; the script runs sdpa, scan, grad_norm first (no compiles), sync
 in a part of its own after the compile warm-up.
 
-- sdpa (issue 36): `SDPACoreAttention` itself (model/attention.py), forward and backward, on the
+- sdpa: `SDPACoreAttention` itself (model/attention.py), forward and backward, on the
   q/k/v megatron cuts from its fused QKV (k and v strided views), at the demo's shape (8 heads, 2 groups,
   head dim 32) and the 12B's (40 heads, 8 groups, head dim 128), in BF16 under each backend alone
   (cuDNN, flash, mem-efficient, math) against math in FP32 on the same values. Records which
@@ -22,7 +22,7 @@ in a part of its own after the compile warm-up.
   without TE or apex, megatron/core/utils.py:1325-1334 in core_v0.19.0, syncs once per tensor:
   `torch.tensor(list of CUDA norms)`) against `torch._foreach_norm`: milliseconds and syncs of
   each. Informative: a fused path in compat is justified only if this shows.
-- sync (issue 26 item 1, issue 36): the demo model, emulated NVFP4 (compiled quantizers),
+- sync: the demo model, emulated NVFP4 (compiled quantizers),
   megatron's DDP, optimizer and schedule (training/ddp_optimizer.py, training/schedules.py),
   warmed up, then a 1-micro-batch and a 2-micro-batch step, both with diagnostics on, under
   `torch.cuda.set_sync_debug_mode("warn")`. The synchronizing calls per micro-batch are what the

@@ -4,7 +4,7 @@ A W4A4 serving engine quantizes each linear's input with one *static* per-tensor
 (compressed-tensors' `input_global_scale`, ModelOpt's `input_scale`), where training computed the
 tensor scale of every activation from its own amax (TE's current scaling). The amax the training
 saw over its last N steps is the calibration that needs no extra data: `training/hf_export.py
---weights nvfp4` turns it into each format's scale (issue 27).
+--weights nvfp4` turns it into each format's scale.
 
 How it is recorded, without a host sync:
 - each emulated linear (parallel_linear.py) holding a 0-d FP32 device tensor `input_amax` folds
