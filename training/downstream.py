@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 from errors import ConfigError, ExitCode, MissingError, ProjectError
 
+from .cadence import Every
+
 log = logging.getLogger("nvfp4_pretrain")
 
 # The tasks the repository ships (data/make_eval_tasks.py writes them).
@@ -275,9 +277,10 @@ class DownstreamEvaluator:
     and an evaluation metrics.jsonl already holds is not run again.
     """
 
-    def __init__(self, cfg, max_steps: int, make_lm, run_dir: Path, is_main: bool):
-        """`make_lm()`: the ProjectLM over the trainer's model (built at the first evaluation)."""
-        self.cfg, self.max_steps, self.make_lm = cfg, max_steps, make_lm
+    def __init__(self, cfg, due: Every, make_lm, run_dir: Path, is_main: bool):
+        """`due`: this component's cadence (evaluation.every, and the last step); `make_lm()`:
+        the ProjectLM over the trainer's model (built at the first evaluation)."""
+        self.cfg, self.due, self.make_lm = cfg, due, make_lm
         self.run_dir, self.is_main = Path(run_dir), is_main
         self.pending: Optional[int] = None
         self._lm = self._manager = None
@@ -286,9 +289,9 @@ class DownstreamEvaluator:
     def enabled(self) -> bool:
         return bool(self.cfg.tasks)
 
-    def due(self, step: int) -> bool:
+    def begin_if_due(self, step: int) -> bool:
         """Whether an evaluation follows `step` (marks it pending, for the checkpoint)."""
-        if self.enabled and (step % self.cfg.every == 0 or step == self.max_steps):
+        if self.enabled and self.due(step):
             self.pending = step
             return True
         return False

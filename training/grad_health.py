@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .cadence import Every
+
 OTHER = "other"  # a parameter outside the known groups (none in this model)
 
 
@@ -91,12 +93,13 @@ class GradHealth:
     """Watches one model's gradients; `collect()` is a collective: every rank calls it."""
 
     def __init__(self, core: torch.nn.Module, model, optimizer, layer_kinds: Sequence[str],
-                 device: torch.device):
+                 device: torch.device, due: Every):
+        """`due(step)`: whether optimizer step `step` (from 1) collects: this component's cadence."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         self.names = group_names(layer_kinds)
-        self.device = device
+        self.device, self.due = device, due
         index = {name: i for i, name in enumerate(self.names)}
         decoder = getattr(core, "decoder", None)
         offset = getattr(decoder, "layer_offset", 0)

@@ -104,7 +104,8 @@ class Trainer:
                                                        tr.distributed_optimizer)
         self.scheduler = WSDScheduler(self.optimizer, tr)
         self.precision = PrecisionController(cfg.precision, self.built, self.tokens_per_step,
-                                             self.total_tokens)
+                                             self.total_tokens,
+                                             Every(cfg.precision.diagnostics_every))
         # Each rank draws its own stochastic-rounding stream (saved with its checkpoint).
         torch.manual_seed(stochastic_rounding_seed(tr.seed, ctx))
 
@@ -114,16 +115,19 @@ class Trainer:
         self.skipped_at_last_save = 0  # skipped_steps when the previous checkpoint was written
         self.wandb_id: Optional[str] = None
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
-        # Each part of the loop owns its cadence (training/cadence.py).
+        # Each periodic action has one cadence (training/cadence.py), held by the part of the
+        # loop that acts: the validator, the downstream evaluator, the gradient health, the
+        # precision controller's diagnostics; the trainer's own two, checkpoints and the status line.
         self.validator = Validator(self.model, self.data.validation_batches(tr.eval_batches),
                                    ctx, self.activation_shape, self.gemm,
                                    self.precision.before_evaluation,
                                    due=Every(tr.eval_every, last=tr.max_steps))
         self.save_due = Every(tr.save_every, last=tr.max_steps)
         self.status_due = Every(tr.log_every)
-        self.grad_health_due = Every(tr.grad_health_every)
-        self.downstream = DownstreamEvaluator(cfg.evaluation, tr.max_steps, self._downstream_lm,
-                                              self.run_dir, ctx.is_main)
+        evaluation = cfg.evaluation
+        self.downstream = DownstreamEvaluator(
+            evaluation, Every(evaluation.every, last=tr.max_steps), self._downstream_lm,
+            self.run_dir, ctx.is_main)
         for line in self.precision.describe(backend, reason, ctx.device):
             log.info(line)
         log.info(f"device: {ctx.hardware.describe()}; {self.gemm.describe()}")
@@ -215,7 +219,7 @@ class Trainer:
         # the stop flag rides in the loss's reduction: no collective or host sync of its own
         loss, stop = step_loss_and_stop(total, self.stop.requested, self.ctx)
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
-        health = self.grad_health.collect() if self.grad_health_due(self.step + 1) else None
+        health = self.grad_health.collect() if self.grad_health.due(self.step + 1) else None
         # megatron's optimizer.step(), split so that a non-finite norm can skip the update.
         self.optimizer.prepare_grads()
         clip = self.cfg.trainer.grad_clip
@@ -256,7 +260,7 @@ class Trainer:
     def grad_health(self) -> GradHealth:
         """Per-layer gradient statistics and the input-gradient hooks (training/grad_health.py)."""
         return GradHealth(self.core, self.model, self.optimizer, self.cfg.model.layer_kinds(),
-                          self.ctx.device)
+                          self.ctx.device, due=Every(self.cfg.trainer.grad_health_every))
 
     def _report_nonfinite(self, stats, loss: float, sink: Optional[MetricsSink]) -> str:
         """Name the first layer, in backward order, whose gradients went non-finite."""
@@ -352,7 +356,7 @@ class Trainer:
         """Checkpoint and downstream evaluation when due, or when a stop signal came (`stop`:
         agreed in the step's loss reduction); True to stop (preempted: everything up to this
         step is in the checkpoint)."""
-        evaluate = self.downstream.due(self.step)  # its step's checkpoint comes first
+        evaluate = self.downstream.begin_if_due(self.step)  # its step's checkpoint comes first
         if stop or evaluate or self.save_due(self.step):
             self.save()
             # a signal that came during this save: stop now, not after another step and a

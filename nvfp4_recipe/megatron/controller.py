@@ -9,14 +9,15 @@ evaluation, so that the trainer knows nothing about formats.
   metrics.
 - `before_evaluation`: the caches refreshed, so evaluation sees the last step's weights.
 
-When to switch and when to measure are pure functions (`switch_due`, `diagnostics_due`). Nothing
+When to switch is a pure function (`switch_due`); when to measure, the cadence its caller gives
+(`diagnostics_due`: the trainer's `Every(precision.diagnostics_every)`). Nothing
 needs checkpointing: the switch is a function of the consumed tokens, decided again at the first
 step after a resume (which records the `switch_to_bf16` event again).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,11 +35,6 @@ def switch_due(precision: PrecisionConfig, consumed_tokens: int, total_tokens: i
     return consumed_tokens >= at * total_tokens
 
 
-def diagnostics_due(every: int, step: int) -> bool:
-    """Whether optimizer step `step` (counted from 1) measures the quantization error."""
-    return every > 0 and step % every == 0
-
-
 class PrecisionController:
     """The precision of one built model (model.build.BuiltModel) as the run goes.
 
@@ -46,8 +42,12 @@ class PrecisionController:
     trainer's counter), as the events of metrics.jsonl number them."""
 
     def __init__(self, precision: PrecisionConfig, built, tokens_per_step: int,
-                 total_tokens: int):
+                 total_tokens: int, diagnostics_due: Callable[[int], bool] = lambda step: False):
+        """`diagnostics_due(step)`: whether optimizer step `step` (from 1) measures the
+        quantization error, the cadence the caller owns (the trainer's: every
+        precision.diagnostics_every steps); never by default (an evaluation)."""
         self.precision = precision
+        self.diagnostics_due = diagnostics_due
         self.model: torch.nn.Module = built.module
         self.policy = built.policy
         self.state = built.runtime_state
@@ -86,8 +86,7 @@ class PrecisionController:
             events.append(("switch_to_bf16", {"passes": passes, "consumed_tokens": consumed}))
         refresh_quantized_weights(self.weight_caches)
         # Diagnostics, when due, record each linear's last micro-batch.
-        self.state.collect_diagnostics = diagnostics_due(self.precision.diagnostics_every,
-                                                         step + 1)
+        self.state.collect_diagnostics = self.diagnostics_due(step + 1)
         return events
 
     def after_step(self, step: int) -> dict[str, float]:

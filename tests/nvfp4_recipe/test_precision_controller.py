@@ -6,9 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nvfp4_recipe.megatron.controller import (PrecisionController, diagnostics_due,
-                                              diagnostics_summary, switch_due)
+from nvfp4_recipe.megatron.controller import (PrecisionController, diagnostics_summary,
+                                              switch_due)
 from nvfp4_recipe.policy import PrecisionConfig, RuntimePrecisionState, SwitchToBF16Config
+from training.cadence import Every
 
 TOKENS_PER_STEP, STEPS = 100, 10
 
@@ -22,14 +23,15 @@ class StandInLinear(torch.nn.Module):
         self.diagnostics = {}
 
 
-def controller(**precision) -> PrecisionController:
+def controller(diagnostics_due=lambda step: False, **precision) -> PrecisionController:
     cfg = PrecisionConfig(name="x", **{"format": "nvfp4", **precision})
     model = torch.nn.Module()
     model.decoder = torch.nn.Module()
     model.decoder.linear = StandInLinear()
     built = SimpleNamespace(module=model, policy=SimpleNamespace(first=1, last=1),
                             runtime_state=RuntimePrecisionState())
-    return PrecisionController(cfg, built, TOKENS_PER_STEP, TOKENS_PER_STEP * STEPS)
+    return PrecisionController(cfg, built, TOKENS_PER_STEP, TOKENS_PER_STEP * STEPS,
+                               diagnostics_due)
 
 
 @pytest.mark.parametrize("fmt,at,consumed,due", [
@@ -41,9 +43,14 @@ def test_switch_is_due_at_its_share_of_the_tokens(fmt, at, consumed, due):
     assert switch_due(cfg, consumed, 1000) is due
 
 
-def test_diagnostics_are_due_every_n_steps():
-    assert [s for s in range(1, 10) if diagnostics_due(3, s)] == [3, 6, 9]
-    assert not any(diagnostics_due(0, s) for s in range(1, 10))
+def test_diagnostics_are_due_on_the_cadence_the_caller_gives():
+    assert [s for s in range(1, 10) if Every(3)(s)] == [3, 6, 9]  # the trainer's Every
+    assert not any(Every(0)(s) for s in range(1, 10))
+    ctl = controller(diagnostics_due=Every(3))
+    assert [s for s in range(9) if (ctl.before_step(s), ctl.state.collect_diagnostics)[1]] == \
+        [2, 5, 8]  # optimizer steps 3, 6, 9
+    ctl = controller()  # no cadence given (an evaluation): never
+    assert not any((ctl.before_step(s), ctl.state.collect_diagnostics)[1] for s in range(9))
 
 
 def test_the_switch_happens_once_and_is_reported_once():
@@ -64,7 +71,7 @@ def test_every_step_and_evaluation_refreshes_the_quantized_weights():
 
 
 def test_diagnostics_are_collected_on_due_steps_only_and_cleared():
-    ctl = controller(diagnostics_every=2)
+    ctl = controller(diagnostics_due=Every(2))
     linear = ctl.model.decoder.linear
     ctl.before_step(0)  # step 1: not due
     assert not ctl.state.collect_diagnostics and ctl.after_step(0) == {}

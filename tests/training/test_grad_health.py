@@ -58,7 +58,7 @@ def test_every_layer_norm_matches_its_gradients(make_trainer):
     line = grad_health_line(result.health)
     assert line.startswith("grad health: largest norms ") and line.endswith("all finite")
     # every 2 steps: step 2 is measured, step 3 is not
-    trainer.grad_health_due = Every(2)  # trainer.grad_health_every=2: the loop's cadence
+    trainer.grad_health.due = Every(2)  # trainer.grad_health_every=2: the component's cadence
     for trainer.step, due in ((1, True), (2, False)):
         assert bool(trainer.train_step(trainer.data.train.next_global_batch()).health) == due
 
