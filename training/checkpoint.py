@@ -44,7 +44,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
@@ -58,6 +57,7 @@ from errors import ConfigError, ExitCode, ProjectError
 from .distributed import ParallelContext, any_rank, barrier
 from .run_dir import remove_temporary
 from .safe_load import CheckpointRefused  # noqa: F401  (raised from here, caught by the trainer)
+from .safe_load import load_weights_only
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -648,11 +648,7 @@ def find_resume_checkpoint(root: Path, ctx: ParallelContext) -> Optional[Path]:
 
 
 def _load_pt(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise CheckpointRefused(f"refusing {path}: {first}") from None
+    return load_weights_only(path, str(path), map_location="cpu")
 
 
 def _mismatch_message(exc: BaseException) -> str:

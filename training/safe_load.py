@@ -81,6 +81,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not checkpoint metadata")
 
 
+def load_weights_only(source, what: str, **kwargs) -> Any:
+    """`torch.load(source, weights_only=True)`: a pickle naming anything but tensors and plain
+    containers is refused (CheckpointRefused naming `what`), never run."""
+    try:
+        return torch.load(source, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointRefused(f"refusing {what}: {first}") from None
+
+
 def read_metadata_safely(path: Path) -> Metadata:
     """Unpickle a torch_dist `.metadata` file allowing only checkpoint-metadata classes."""
     try:
@@ -123,12 +133,8 @@ class _SafeLoadPlanner(mcore_torch.MCoreLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         # DefaultLoadPlanner.load_bytes with weights_only=True (default_planner.py:382-393)
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise CheckpointRefused(f"refusing {read_item.dest_index.fqn} in the checkpoint's "
-                                    f".distcp files: {first}") from None
+        obj = load_weights_only(value, f"{read_item.dest_index.fqn} in the checkpoint's .distcp "
+                                       "files")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -211,11 +217,7 @@ class _SafeCommonLoad:
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
         if not path.exists():
             raise CheckpointingException(f"Common file {path} does not exist")
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise CheckpointRefused(f"refusing {path}: {first}") from None
+        return load_weights_only(path, str(path), map_location="cpu")
 
     def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
         # torch_dist keeps ShardedObjects in its .distcp files; megatron only calls this for
@@ -301,12 +303,7 @@ class _SafeBytesPlanner(dcp.DefaultLoadPlanner):
     """Loads each bytes object with weights_only=True (and keeps nothing)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise CheckpointRefused(f"refusing {read_item.dest_index.fqn} in the checkpoint's "
-                                    f".distcp files: {first}") from None
+        load_weights_only(value, f"{read_item.dest_index.fqn} in the checkpoint's .distcp files")
 
 
 def strategies() -> dict:
