@@ -107,7 +107,7 @@ def test_cpu_sequence_parallel_patch_is_scoped_and_only_with_sequence_parallelis
         assert torch.cuda.current_device is before
     with compat.cpu_sequence_parallel_buffers(True, cuda=True):  # a CUDA run: nothing patched
         assert torch.cuda.current_device is before
-    # A CPU run, also a gloo run on a host with a GPU (issue 25: the patch used to be skipped
+    # A CPU run, also a gloo run on a host with a GPU (the patch used to be skipped
     # whenever some GPU was present, and megatron's buffers then landed on CUDA).
     with compat.cpu_sequence_parallel_buffers(True, cuda=False):
         assert torch.cuda.current_device() == "cpu"
@@ -208,7 +208,7 @@ def stand_in_mamba(tmp_path, monkeypatch):
 
 
 def test_mamba_triton_kernels_load_without_a_failing_package_init(stand_in_mamba):
-    """Item 8: the wheel built without its CUDA extension (its __init__ imports
+    """compat item 8: the wheel built without its CUDA extension (its __init__ imports
     selective_scan_cuda): the kernels load, and nobody else sees the stand-in package."""
     import sys
 

@@ -124,7 +124,7 @@ def documents_sha256(docs):
 
 
 def test_default_documents_are_the_pinned_ones_on_this_python():
-    """Issue 29: the texts come from data/demo_corpus/, not the running Python's standard library,
+    """The texts come from data/demo_corpus/, not the running Python's standard library,
     so every Python version (this suite runs on 3.11 and 3.12) hashes to the same documents."""
     docs = demo.raw_documents(DemoConfig())
     assert {c: len(docs[c]) for c in DEMO_CATEGORIES} == {"prose": 79, "code": 73, "math": 1500}

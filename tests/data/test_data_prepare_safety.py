@@ -1,5 +1,5 @@
 """data.prepare never replaces what another run wrote, `--check` catches a flipped byte, and the
-faults of reading and writing are one `error:` line with a documented exit code (issue 30)."""
+faults of reading and writing are one `error:` line with a documented exit code."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def hook_first_batch(monkeypatch, action):
     return done
 
 
-# -- item 3: two data.prepare runs on one output prefix ----------------------------------------
+# -- two data.prepare runs on one output prefix ------------------------------------------------
 
 
 def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
@@ -136,7 +136,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
     assert sorted(p.name for p in out.parent.iterdir()) == ["web.lock"]
 
 
-# -- item 8: --check verifies the bytes ---------------------------------------------------------
+# -- --check verifies the bytes -----------------------------------------------------------------
 
 
 def flip(path: str, offset: int) -> None:
@@ -197,7 +197,7 @@ def test_check_without_recorded_checksums_says_so_and_still_checks_the_lengths(
     assert "its .idx lengths add up to" in capsys.readouterr().err
 
 
-# -- item 9: one line, documented exit code -----------------------------------------------------
+# -- one line, documented exit code -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])

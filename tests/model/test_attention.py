@@ -1,4 +1,4 @@
-"""The portable core attention in the input dtype, grouped heads handled by SDPA (issue 26, item 2).
+"""The portable core attention in the input dtype, grouped heads handled by SDPA.
 
 Reference: the same causal GQA attention in float64 with K/V heads copied per query head
 (repeat_interleave, the grouping megatron uses). Tolerance, normwise against the largest value:

@@ -44,11 +44,11 @@ def test_te_spec_without_causal_conv1d_uses_pytorch_conv():
 @pytest.mark.parametrize(
     "machine,reason",
     [(CPU, "portable spec: no CUDA device"),
-     # issue 12, F: TE without mamba_ssm used to pick the TE spec, whose MambaMixer raises
+     # TE without mamba_ssm used to pick the TE spec, whose MambaMixer raises ImportError
      (Machine((10, 0), (True, ""), mamba_ssm=False, causal_conv1d=False),
       "portable spec: mamba_ssm not importable (the TE spec's Mamba mixer needs it); Mamba "
       "mixer: PyTorch SSD scan and norm, PyTorch conv1d"),
-     # issue 12, E: TE's own verdict on the recipe
+     # TE's own verdict on the recipe, given as the reason
      (Machine((9, 0), (False, "FP8 block scaling needs CUDA 12.9 or newer, found 12.4"),
               mamba_ssm=True, causal_conv1d=True),
       "portable spec: FP8 block scaling needs CUDA 12.9 or newer, found 12.4; Mamba mixer: "
@@ -118,7 +118,8 @@ def _fake_gpu(monkeypatch, capability, *, te_checks, kernels, triton_only=False)
 
 
 def test_choose_backend_on_blackwell_with_te_but_no_mamba_ssm(monkeypatch):
-    """issue 12, F: today's code picked TE here and megatron's MambaMixer raised ImportError."""
+    """TE present, mamba_ssm not: auto once picked TE here and megatron's MambaMixer raised
+    ImportError; it takes the portable spec until the Mamba kernels import."""
     gpu = _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
                     kernels=())
     backend, reason = choose_backend(NVFP4, "auto", gpu)
@@ -135,7 +136,7 @@ def test_choose_backend_on_blackwell_with_te_but_no_mamba_ssm(monkeypatch):
 
 
 def test_choose_backend_asks_te_about_fp8_block_scaling(monkeypatch):
-    """issue 12, E: Hopper with CUDA < 12.9: TE says no, auto falls back with TE's reason."""
+    """Hopper with CUDA < 12.9: TE says no, auto falls back with TE's reason."""
     reason = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
     gpu = _fake_gpu(monkeypatch, (9, 0),
                     te_checks={"is_fp8_block_scaling_available": (False, reason)},
@@ -156,7 +157,7 @@ def test_build_model_refuses_a_backend_against_model_spec():
 
 
 def test_mamba_ssm_without_its_cuda_extension_gives_the_portable_mixer_its_triton_kernels(monkeypatch):
-    """issue 26, item 4: the MAMBA_SKIP_CUDA_BUILD wheel. The TE spec still cannot run (megatron's
+    """The MAMBA_SKIP_CUDA_BUILD wheel (no CUDA extension). The TE spec still cannot run (megatron's
     mixer imports the package), but the portable mixer's line says the Triton scan runs."""
     gpu = _fake_gpu(monkeypatch, (10, 0), te_checks={"is_nvfp4_available": (True, "")},
                     kernels=("mamba_chunk_scan_combined", "rmsnorm_fn"), triton_only=True)

@@ -1,5 +1,6 @@
-"""The device-dependent decisions of model/build.py (issue 26, items 3, 4 and 7), as pure
-functions, and what a CPU build keeps: CPU initialisation, no Wgrad fusion, no fused Mamba path."""
+"""The device-dependent decisions of model/build.py (Wgrad fusion, where weights are
+initialised), as pure functions, and what a CPU build keeps: CPU initialisation, no Wgrad fusion,
+no fused Mamba path."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def test_no_module_outside_the_device_decision_asks_whether_a_gpu_is_present():
 
 @pytest.mark.slow
 def test_a_gloo_run_on_a_host_that_has_a_gpu_trains_and_checkpoints_on_the_cpu(tmp_path, data_cache):
-    """Issue 25: `parallel.backend=gloo` beside a GPU. The host is stated as a value: the device
+    """`parallel.backend=gloo` beside a GPU. The host is stated as a value: the device
     decision's "is a GPU present" says yes (and any CUDA call would fail, as there is none), so
     every choice that asked it instead of reading the run's device (RNG seeding, megatron's CPU
     patches, the backend, the Mamba kernels, the checkpoint's RNG state, the GEMM policy) would

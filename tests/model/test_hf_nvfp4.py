@@ -1,4 +1,4 @@
-"""NVFP4 serving exports (model/hf_nvfp4.py, `training.hf_export --weights nvfp4`, issue 27).
+"""NVFP4 serving exports (model/hf_nvfp4.py, `training.hf_export --weights nvfp4`).
 
 Fast: a small NVFP4 model (all three layer kinds, a BF16 first and last layer, an override kept
 BF16) whose input amax is recorded by a real forward, written as a run directory; the export runs
@@ -418,7 +418,7 @@ def test_refusals_are_one_line_before_anything_is_written(tmp_path, monkeypatch,
         hf_nvfp4.check_packable("layers.1.mlp.linear_fc1", torch.zeros(32, 40), 1)
 
 
-# -- a linear without a usable input amax (issue 36 item 4) -------------------------------------
+# -- a linear without a usable input amax: refused by name, or exported weights-only ------------
 
 QKV = "layers.2.self_attention.linear_qkv"  # fused in vLLM: the case a "Linear" target gets wrong
 FC2 = "layers.1.mlp.linear_fc2"

@@ -603,7 +603,7 @@ def _fake_module(name, **attrs):
 
 def test_kernels_import_per_package(monkeypatch):
     """mamba_ssm's scan and norm load without causal_conv1d, and causal_conv1d without mamba_ssm
-    (issue 12, F: they used to load only together)."""
+    (they used to load only together, so one missing package disabled both)."""
     import sys
 
     import model.mamba_mixer as mm

@@ -1,4 +1,4 @@
-"""Activation recompute (issue 13): megatron's none / selective / full, the same numbers as none.
+"""Activation recompute: megatron's none / selective / full, the same numbers as none.
 
 Recompute must not change what a step computes. The forward is deterministic here, and the only
 random draws, stochastic rounding of gradients, happen in the backward from the default

@@ -1,4 +1,4 @@
-"""Sequence parallelism on the portable spec (issue 13): TP=2 + SP computes what TP=2 computes.
+"""Sequence parallelism on the portable spec: TP=2 + SP computes what TP=2 computes.
 
 Two gloo processes run one training step's forward and backward through the trainer's own
 pieces (megatron's Float16Module, the data-parallel wrapper, the schedule twin and megatron's

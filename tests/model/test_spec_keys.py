@@ -1,5 +1,6 @@
 """The checkpoint keys of the two layer-spec families and the pure mapping between them
-(model/hf.py:spec_key), which a resume on other hardware translates through (issue 26 item 5).
+(model/hf.py:spec_key), which a resume on other hardware translates through (a TE-spec
+checkpoint resumed on the portable spec, and back).
 
 The TE spec cannot be built here (Transformer Engine needs CUDA), so its keys are recorded from
 upstream source for a model with one layer of each kind, pattern "M*-":

@@ -205,7 +205,7 @@ def test_emulated_fast_gemms_compute_the_same_numbers_in_fp32(fmt):
 
 
 def test_tf32_is_read_from_torch_and_named_on_the_start_up_line():
-    """issue 26, item 7: the emulation's FP32 GEMMs (RHT, gemm=exact) are IEEE FP32 under torch's
+    """The emulation's FP32 GEMMs (RHT, gemm=exact) are IEEE FP32 under torch's
     default; a user who turns TF32 on is told. The flag is only read (compute.tf32_matmuls)."""
     from nvfp4_recipe.compute import tf32_matmuls
 

@@ -148,7 +148,7 @@ def test_rht_matches_cpu():
 def test_fp32_gemms_are_ieee_unless_tf32_is_turned_on():
     """The RHT is an FP32 mm. Under torch's default (TF32 off, which this project never changes:
     nvfp4_recipe/compute.tf32_matmuls) it is exact to CPU; with TF32 turned on it would round x to
-    10 mantissa bits, and the start-up line warns (issue 26, item 7). The TF32 half documents
+    10 mantissa bits, and the start-up line warns. The TF32 half documents
     where it may reach: it is expected to differ from the CPU beyond FP32 rounding."""
     from nvfp4_recipe.compute import tf32_matmuls
 
@@ -169,8 +169,9 @@ def test_fp32_gemms_are_ieee_unless_tf32_is_turned_on():
 
 
 def test_emulated_linear_never_synchronizes():
-    """issue 26, item 1: Fprop, Dgrad and Wgrad of the emulated NVFP4 linear (compiled and eager
-    quantizers, RHT, stochastic rounding, the weight cache) under set_sync_debug_mode("error"),
+    """A sync per call stalls the stream and breaks CUDA-graph capture: Fprop, Dgrad and Wgrad
+    of the emulated NVFP4 linear (compiled and eager quantizers, RHT, stochastic rounding, the
+    weight cache) under set_sync_debug_mode("error"),
     which raises at any synchronizing call (a blocking host-to-device copy, .item(), ...)."""
     from nvfp4_recipe.linear import WeightOperandCache, quantized_linear
 

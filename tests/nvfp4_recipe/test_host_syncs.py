@@ -1,4 +1,4 @@
-"""No host sync and no host-to-device copy per call in the emulated numerics (issue 26, item 1).
+"""No host sync and no host-to-device copy per call in the emulated numerics.
 
 On a GPU, `.item()`, `bool(t)`, `.tolist()` of a device tensor wait for the stream, and so does a
 host-to-device copy without non_blocking (PyTorch aten/src/ATen/native/cuda/Copy.cu,

@@ -1,5 +1,5 @@
 """The running input amax of the low-precision linears (nvfp4_recipe/megatron/input_amax.py): what
-an NVFP4 serving export's activation scales come from (issue 27)."""
+an NVFP4 serving export's activation scales come from."""
 
 import torch
 
@@ -57,7 +57,7 @@ def test_state_round_trips_by_name_and_a_shorter_window_keeps_the_newest():
     assert running_input_amax(off.state_dict()) == ({}, 0)
 
 
-# -- the amax the quantizer already computed (issue 36, item 4) -----------------------------------
+# -- the amax the quantizer already computed, not another pass over the input ---------------------
 
 import pytest  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402

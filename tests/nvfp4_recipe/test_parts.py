@@ -1,4 +1,4 @@
-"""The step profile's part timer (benchmarks/part_timer.py, issue 16 item 1, issue 29 item 4):
+"""The step profile's part timer (benchmarks/part_timer.py):
 hooks installed for a profile only, none left in the numerics outside it."""
 
 from __future__ import annotations

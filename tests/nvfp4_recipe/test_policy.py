@@ -87,8 +87,8 @@ def test_te_support_names_the_missing_capability():
     assert te_supports(PrecisionConfig(format="mxfp4"), (10, 0), "12.9", "2.9.0")[0] is False
 
 
-# TE's own rules (issue 12, E): v2.8 fp8.py:57-72, v2.9 quantization.py:71-86,
-# v2.18 quantization.py:171-185.
+# TE's own rules, which auto's fallback reason repeats: v2.8 fp8.py:57-72,
+# v2.9 quantization.py:71-86, v2.18 quantization.py:171-185.
 @pytest.mark.parametrize(
     "capability,cuda,te,expected",
     [((9, 0), "12.8", "2.9.0", "FP8 block scaling needs CUDA 12.9 or newer, found 12.8"),

@@ -1,4 +1,4 @@
-"""TE decisions as pure functions (issue: the GPU path, B and G), run through the real stack.
+"""TE decisions as pure functions, run through the real stack.
 
 Transformer Engine is not installed here: a fake autocast records which recipe each layer's
 forward ran under, and a fake TE wrapper stands for megatron's, whose `is_first_microbatch`

@@ -1,4 +1,4 @@
-"""Each weight quantized once per step (issue 16, item 2), as TE does with `is_first_microbatch`.
+"""Each weight quantized once per step, not per micro-batch, as TE does (`is_first_microbatch`).
 
 The emulated linears follow TE's protocol, which the trainer already drives: it sets
 `is_first_microbatch = True` on every such module at the start of a step and of an evaluation.

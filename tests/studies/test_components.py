@@ -1,4 +1,4 @@
-"""The component study (studies/components/, issue 18).
+"""The component study (studies/components/).
 
 Its GEMMs are the recipe's (bit for bit against `quantized_linear`), its quantizers agree with the
 independent reference on captured tensors, its capture records what the GEMMs saw, and on small

@@ -1,5 +1,5 @@
 """Which optimizer layout a checkpoint is written in, where it can be resumed, and a resume across
-the two layer-spec families (issue 26 items 5 and 6)."""
+the two layer-spec families (a checkpoint written on one kind of hardware resumed on another)."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def test_a_value_just_outside_each_declared_range_is_refused_by_the_schema(key, 
 
 @pytest.mark.parametrize("key,cls", SCHEMAS, ids=[key for key, _ in SCHEMAS])
 def test_a_field_added_to_a_schema_is_refused_by_the_schema_alone(key, cls):
-    """Issue 29: a new field with a bad value is refused by its schema, through the path Hydra's
+    """A new field with a bad value is refused by its schema, through the path Hydra's
     config takes (OmegaConf.to_object), with no key list to extend."""
     grown = dataclasses.make_dataclass(
         f"Grown{cls.__name__}", [("added_every", int, dataclasses.field(default=1,

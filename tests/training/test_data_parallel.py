@@ -1,5 +1,5 @@
 """Data parallelism with the distributed optimizer on gloo: same training, half the optimizer
-memory per rank, and checkpoints that move between data-parallel sizes (issue: the GPU path)."""
+memory per rank, and checkpoints that move between data-parallel sizes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""BF16 weights and activations, FP32 main grads and master weights (issue: the GPU path, A).
+"""BF16 weights and activations, FP32 main grads and master weights.
 
 The objects are megatron's on GPUs and their CPU twins here; these tests pin the twins to the
 semantics megatron's promise (and an independent AdamW reference), and the GPU wiring to the

@@ -1,4 +1,4 @@
-"""The downstream evaluation checked from outside (issue 28's "Done when"): on a demo checkpoint,
+"""The downstream evaluation checked from outside, by code it does not share: on a demo checkpoint,
 `python -m training.evaluate` gives lm-eval's own HFLM's per-sample log-likelihoods and accuracy
 on the `training.hf_export` of the same checkpoint, and the same scores at TP=2 and at PP=2.
 

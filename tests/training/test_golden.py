@@ -12,9 +12,10 @@ absolute per-step tolerance (studies/golden.py: TOLERANCE, ~10x the change measu
 2-thread runs of one build: 1.7e-4 bf16, 2.7e-3 nvfp4).
 
 The demo corpus is the same on every Python version (its texts are a snapshot in data/demo_corpus/,
-issue 29: this test used to skip on 3.12), so the test always runs. It checks first that the run
-trains on the golden run's tokens (`corpus_tokens_sha256`); another `tokenizers` version that
-trains another BPE fails that check, naming both versions, instead of comparing unrelated losses.
+not the running Python's standard library, which differs on 3.12), so the test always runs. It
+checks first that the run trains on the golden run's tokens (`corpus_tokens_sha256`); another
+`tokenizers` version that trains another BPE fails that check, naming both versions, instead of
+comparing unrelated losses.
 
 Regenerate on purpose only: `python -m studies.golden --regenerate`.
 """
@@ -75,7 +76,7 @@ def test_golden_losses(precision, golden_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", golden.PRECISIONS)
 def test_golden_losses_with_fp32_gemms_as_on_a_cpu_without_bf16(precision, golden_runs):
-    """Issue 25: a CPU without BF16 instructions multiplies the BF16 values in FP32. That changes
+    """A CPU without BF16 instructions multiplies the BF16 values in FP32. That changes
     only the order of each GEMM's FP32 accumulation, as another build's kernels do, so the losses
     stay within the file's tolerance for other builds (measured on an AMD EPYC (AVX512-BF16)
     against the current golden files: max |diff| 5.4e-4 bf16, 3.1e-3 nvfp4; against 2e-3 / 2e-2)."""

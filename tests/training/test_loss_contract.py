@@ -1,7 +1,7 @@
 """One loss contract: every schedule's loss goes through megatron's `forward_step_calc_loss`.
 
 megatron-core runs that function on CPU, so these tests exercise the exact code its GPU schedules
-(no pipelining, 1F1B) apply to our loss function (issue: the GPU path, C).
+(no pipelining, 1F1B) apply to our loss function.
 """
 
 from __future__ import annotations

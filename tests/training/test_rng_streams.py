@@ -1,4 +1,5 @@
-"""Stochastic-rounding streams: one per rank that quantizes different data (issue 20, item 4)."""
+"""Stochastic-rounding streams: one per rank that quantizes different data, so no two
+shards are rounded with the same draws."""
 
 from __future__ import annotations
 

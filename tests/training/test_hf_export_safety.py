@@ -1,5 +1,5 @@
-"""What `python -m training.hf_export` may never do: delete the run it exports or a user's files
-(issue 30), and the one-line errors of its refusals.
+"""What `python -m training.hf_export` may never do: delete the run it exports or a user's files,
+and the one-line errors of its refusals.
 
 Fast: a run directory made here (config.yaml, checkpoints, metrics) whose checkpoint reader is
 replaced by a small random model's tensors, so `main()` runs end to end in this process.
@@ -130,7 +130,7 @@ def test_the_writer_checks_the_marker_again_before_moving_anything_aside(tiny_we
     assert files_under(tmp_path) == {"data/corpus.bin": b"\x00\x01"}
 
 
-# -- one-line errors (issue 30 item 9) ---------------------------------------------------------
+# -- a refusal or a fault is one `error:` line and a documented exit code ----------------------
 
 
 @pytest.mark.parametrize("size", ["lots", "0", "-5GB", "5XB"])

@@ -1,4 +1,4 @@
-"""Never destroy what the user has (issue 30): the lock and every file the run writes refuse to
+"""Never destroy what the user has: the lock and every file the run writes refuse to
 be turned on other files, a checkpoint's name is checked against its manifest, a full disk or a
 signal during a save ends in one line and a documented exit code, and a torn metrics line is
 ended before anything is appended to it.
@@ -46,7 +46,7 @@ def _victim(tmp_path: Path) -> tuple[Path, bytes]:
     return victim, victim.read_bytes()
 
 
-# -- item 2: the lock, and every other file the run writes into run.dir -----------------------
+# -- the lock, and every other file the run writes into run.dir -------------------------------
 
 
 @pytest.mark.parametrize("plant", ["symlink", "hard_link", "dangling_symlink"])
@@ -203,7 +203,7 @@ def test_planted_links_among_checkpoint_temporaries_are_never_followed(tmp_path)
     assert sorted(p.name for p in outside.rglob("*")) == ["dist", "keep.bin"]
 
 
-# -- item 4: a checkpoint's name against its manifest ----------------------------------------
+# -- a checkpoint's name against its manifest ------------------------------------------------
 
 
 def _fake_checkpoint(root: Path, step: int, manifest_step: int | None = None) -> Path:
@@ -242,7 +242,7 @@ def test_retention_neither_counts_nor_deletes_a_renamed_checkpoint(tmp_path):
         "step_0000002", "step_0000006", "step_0000009"]
 
 
-# -- items 2, 4 and 5 on real checkpoints, in-process -----------------------------------------
+# -- names and full disks on real checkpoints, in-process -------------------------------------
 
 
 def _small_model(ctx):
@@ -347,7 +347,7 @@ def test_a_full_tmpfs_during_a_checkpoint_is_one_line_and_keeps_the_previous(
     assert verify_checkpoint(previous) is None
 
 
-# -- item 7: a torn last line of metrics.jsonl ------------------------------------------------
+# -- a torn last line of metrics.jsonl --------------------------------------------------------
 
 
 @pytest.mark.parametrize("tail", ['{"step": 3, "lo', '{"step": 3, "loss": 7.0}'])
@@ -370,7 +370,7 @@ def test_a_torn_last_metrics_line_is_ended_before_anything_is_appended(tmp_path,
     assert not caplog.records and path.read_text() == text
 
 
-# -- items 6 and 9: refused at start-up, before run.dir is written -----------------------------
+# -- bad input refused at start-up, before run.dir is written ----------------------------------
 
 
 def test_an_empty_run_dir_is_refused_before_anything_is_written(tmp_path, data_cache):
@@ -415,8 +415,9 @@ ARGS = [*TINY, "trainer.save_every=2", "trainer.eval_every=100"]
 @pytest.mark.slow
 def test_a_renamed_checkpoint_is_refused_and_nothing_real_is_moved_or_deleted(
         tmp_path, data_cache):
-    """The issue's scenario: a finished 4-step run, step_0000004 renamed to step_0000009, then
-    the same resume twice."""
+    """A user renames a checkpoint: a finished 4-step run, step_0000004 renamed to step_0000009,
+    then the same resume twice. The renamed one is refused, never deleted, and no intact
+    checkpoint is moved aside."""
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, *ARGS, "trainer.max_steps=4", cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
