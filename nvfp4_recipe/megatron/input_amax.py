@@ -31,14 +31,6 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from nvfp4_recipe.linear import fold_input_amax
-
-
-def record_input_amax(amax: torch.Tensor, x: torch.Tensor) -> None:
-    """amax <- max(amax, max |x|), in place on the device; a non-finite max |x| counts as 0.
-    (quantized_linear's `input_amax` does this with the quantizer's amax where it has one.)"""
-    fold_input_amax(amax, x)
-
 
 class InputAmaxRecorder:
     """The running input amax of a model's low-precision linears (see the module docstring).

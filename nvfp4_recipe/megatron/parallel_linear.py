@@ -22,8 +22,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from nvfp4_recipe.diagnostics import quantization_error_tensors
-from nvfp4_recipe.linear import WeightOperandCache, quantized_linear
-from nvfp4_recipe.megatron.input_amax import record_input_amax
+from nvfp4_recipe.linear import WeightOperandCache, fold_input_amax, quantized_linear
 from nvfp4_recipe.policy import RuntimePrecisionState
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -77,7 +76,7 @@ class _PrecisionLinearMixin:
         # quantized_linear folds in the amax its quantizer computes anyway.
         if config is None:
             if self.input_amax is not None:
-                record_input_amax(self.input_amax, x_c)
+                fold_input_amax(self.input_amax, x_c)
             out = F.linear(x_c, w_c)
         else:
             if self.runtime_state.collect_diagnostics:

@@ -3,15 +3,15 @@ an NVFP4 serving export's activation scales come from."""
 
 import torch
 
-from nvfp4_recipe.megatron.input_amax import (InputAmaxRecorder, record_input_amax,
-                                              running_input_amax)
+from nvfp4_recipe.linear import fold_input_amax
+from nvfp4_recipe.megatron.input_amax import InputAmaxRecorder, running_input_amax
 
 
 class Linear(torch.nn.Module):
     input_amax = None  # as parallel_linear's emulated linears declare it
 
     def forward(self, x):
-        record_input_amax(self.input_amax, x)
+        fold_input_amax(self.input_amax, x)
         return x
 
 
