@@ -14,7 +14,7 @@ Depends on torch only. The subpackage `nvfp4_recipe.megatron` applies all this t
 models and Transformer Engine layers; importing `nvfp4_recipe` does not import it.
 """
 
-from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
+from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, MXFP8Config, NVFP4Config, QuantConfig
 from nvfp4_recipe.diagnostics import quantization_error_stats, quantize_dequantize
 from nvfp4_recipe.fp8_block import FP8BlockTensor, quantize_fp8_block
 from nvfp4_recipe.hadamard import TE_RHT_SIGNS, random_hadamard_transform, rht_matrix
@@ -28,6 +28,7 @@ __all__ = [
     "FP8BlockTensor",
     "MXFP4Config",
     "MXFP4Tensor",
+    "MXFP8Config",
     "MXFP8Tensor",
     "NVFP4Config",
     "NVFP4Tensor",

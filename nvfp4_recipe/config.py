@@ -79,4 +79,18 @@ class FP8BlockConfig:
         _check_gemm(self.gemm, "FP8BlockConfig")
 
 
-QuantConfig = NVFP4Config | MXFP4Config | FP8BlockConfig
+@dataclass(frozen=True)
+class MXFP8Config:
+    """MXFP8 as TE MXFP8BlockScaling with its default E4M3 format (TE common/recipe/__init__.py,
+    v2.0:165 .. release_v2.19:337): E4M3 values and one E8M0 scale per 1x32 block on every
+    operand, the blocks along each GEMM's reduction dimension; nearest rounding, no RHT, no SR."""
+
+    quantize_forward: bool = True
+    quantize_backward: bool = True
+    gemm: Gemm = Gemm.fast
+
+    def __post_init__(self) -> None:
+        _check_gemm(self.gemm, "MXFP8Config")
+
+
+QuantConfig = NVFP4Config | MXFP4Config | MXFP8Config | FP8BlockConfig

@@ -41,7 +41,7 @@ class Linear:
     """One low-precision linear on one tensor-parallel rank."""
 
     name: str  # "layers.3.mixer.in_proj"
-    format: str  # nvfp4 | fp8 | mxfp4
+    format: str  # nvfp4 | fp8 | mxfp4 | mxfp8
     in_features: int  # K, local
     out_features: int  # N, local
     parallel: str = "column"  # column | row (megatron's split)
@@ -259,6 +259,11 @@ RULES: tuple[Rule, ...] = (
          "emulated MXFP4: K and N multiples of the 32-element block (T is zero-padded)",
          "ValueError from the emulated linear",
          "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp4.py)",
+         _emulated_block(32)),
+    Rule("emulated.mxfp8.block_32", "emulated", ("mxfp8",), "fail",
+         "emulated MXFP8: K and N multiples of the 32-element block (T is zero-padded)",
+         "ValueError from the emulated linear",
+         "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp8.py)",
          _emulated_block(32)),
     # Emulated FP8 zero-pads a partial 128-block (operands.py: whole_blocks_only = False): no rule.
 )

@@ -13,10 +13,11 @@ from typing import NamedTuple
 import torch
 
 from nvfp4_recipe.compute import emulated_gemms_in_fp32
-from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
+from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, MXFP8Config, NVFP4Config, QuantConfig
 from nvfp4_recipe.fp8_block import FP8_BLOCK, fp8_block_dequantized_values, quantize_fp8_block
 from nvfp4_recipe.hadamard import rht_matrix
 from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values, quantize_mxfp4
+from nvfp4_recipe.mxfp8 import mxfp8_dequantized_values, quantize_mxfp8
 from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values, quantize_nvfp4
 
 
@@ -152,6 +153,42 @@ class _MXFP4Ops(_FormatOps):
     def quantize_dequantize(self, x, role, generator):
         stochastic = role == "gradient" and self.config.stochastic_rounding
         return quantize_mxfp4(x, "stochastic" if stochastic else "nearest", generator).dequantize()
+
+
+class _MXFP8Ops(_FormatOps):
+    """TE's MXFP8BlockScaling operands (mxfp8.py's docstring): each copy quantized from the
+    high-precision tensor with its 1x32 blocks along the GEMM's reduction dimension (TE's rowwise
+    and columnwise copies), so Dgrad's weight is its own quantization of W^T, not Fprop's
+    transposed. Nearest rounding everywhere; the values (4 significant bits times a power of two)
+    are exact in the BF16 GEMM dtype."""
+
+    block = MX_BLOCK
+    name = "MXFP8"
+    config: MXFP8Config
+
+    def _q(self, t):
+        return GemmOperand(mxfp8_dequantized_values(t, self.gemm_dtype), None)
+
+    def activation(self, x2d):
+        return self._q(x2d)
+
+    def weight_fprop(self, weight):
+        return self._q(weight)
+
+    def weight_dgrad(self, weight, fprop):
+        return self._q(weight.t().contiguous())  # columnwise: blocks along N
+
+    def grad_dgrad(self, dy2d, generator):
+        return self._q(dy2d)
+
+    def grad_wgrad(self, dy2d, generator):
+        return self._q(self.wgrad_source(dy2d))
+
+    def activation_wgrad(self, x2d):
+        return self._q(self.wgrad_source(x2d))
+
+    def quantize_dequantize(self, x, role, generator):
+        return quantize_mxfp8(x).dequantize()
 
 
 class _FP8BlockOps(_FormatOps):

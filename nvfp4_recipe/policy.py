@@ -85,7 +85,7 @@ class PrecisionConfig:
     input_amax_steps: int = 1000
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
     # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> bf16 | fp8 | mxfp4 |
-    # nvfp4. Beats format and the BF16 first/last layers; see `resolve_overrides`.
+    # mxfp8 | nvfp4. Beats format and the BF16 first/last layers; see `resolve_overrides`.
     overrides: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

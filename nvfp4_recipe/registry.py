@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Callable, Optional, Protocol
 
-from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, NVFP4Config, QuantConfig
-from nvfp4_recipe.operands import _FormatOps, _FP8BlockOps, _MXFP4Ops, _NVFP4Ops
+from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, MXFP8Config, NVFP4Config, QuantConfig
+from nvfp4_recipe.operands import _FormatOps, _FP8BlockOps, _MXFP4Ops, _MXFP8Ops, _NVFP4Ops
 
 
 class PrecisionFields(Protocol):
@@ -41,6 +41,7 @@ class Format(StrEnum):
     nvfp4 = "nvfp4"
     fp8 = "fp8"
     mxfp4 = "mxfp4"
+    mxfp8 = "mxfp8"
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,37 @@ def _mxfp4_device_rule(_capability: Capability) -> Verdict:
     return False, "TE has no MXFP4 training recipe"
 
 
+# -- MXFP8 --------------------------------------------------------------------------------------
+
+
+def _mxfp8_te_recipe(_cfg: PrecisionFields) -> dict[str, Any]:
+    # TE's default Blackwell recipe, E4M3 on every operand (its default fp8_format).
+    return {"recipe": "MXFP8BlockScaling", "kwargs": {"fp8_format": "E4M3"}}
+
+
+def _mxfp8_device_rule(capability: Capability) -> Verdict:
+    # B200/GB200 (10.0) and B300/GB300 (10.3), as for NVFP4; TE itself refuses 12.x (below).
+    if capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
+        major, minor = capability
+        return False, f"MXFP8 TE GEMMs need compute capability 10.x, found {major}.{minor}"
+    return True, ""
+
+
+def _mxfp8_te_release_rule(capability: Capability, cuda_version: Optional[str],
+                           te_version: Optional[str]) -> Verdict:
+    te = major_minor(te_version)
+    cc = f"{capability[0]}.{capability[1]}"
+    if te < (2, 0):  # MXFP8BlockScaling first appears in v2.0 (common/recipe/__init__.py:165)
+        return False, f"MXFP8BlockScaling needs transformer_engine >= 2.0, found {te_version}"
+    # cc >= 10.0: v2.0 fp8.py:41; from v2.6 also cc < 12.0 (v2.6 fp8.py:49-52, v2.8 fp8.py:48-54,
+    # v2.18 quantization.py:162-168)
+    if capability < (10, 0):
+        return False, f"TE MXFP8 needs compute capability 10.0 or newer, found {cc}"
+    if te >= (2, 6) and capability >= (12, 0):
+        return False, f"transformer_engine {te_version} does not run MXFP8 on compute capability {cc}"
+    return True, ""
+
+
 # -- the registry --------------------------------------------------------------------------------
 
 FORMAT_SPECS: dict[Format, FormatSpec] = {spec.format: spec for spec in (
@@ -178,12 +210,16 @@ FORMAT_SPECS: dict[Format, FormatSpec] = {spec.format: spec for spec in (
                emulated_config=lambda cfg: MXFP4Config(gemm=cfg.gemm), ops=_MXFP4Ops,
                te_recipe=_none, device_rule=_mxfp4_device_rule,
                te_release_rule=_no_requirement),
+    FormatSpec(Format.mxfp8, config_type=MXFP8Config,
+               emulated_config=lambda cfg: MXFP8Config(gemm=cfg.gemm), ops=_MXFP8Ops,
+               te_recipe=_mxfp8_te_recipe, device_rule=_mxfp8_device_rule,
+               te_release_rule=_mxfp8_te_release_rule, te_availability_check="is_mxfp8_available"),
 )}
 _SPEC_OF_CONFIG = {spec.config_type: spec for spec in FORMAT_SPECS.values() if spec.config_type}
 
 
 def format_names() -> str:
-    """"bf16, nvfp4, fp8, mxfp4": the choices, for error messages."""
+    """"bf16, nvfp4, fp8, mxfp4, mxfp8": the choices, for error messages."""
     return ", ".join(Format)
 
 

@@ -351,3 +351,54 @@ def test_cuda_matches_cpu_bits():
         cpu, gpu = quantize_mxfp8(t), quantize_mxfp8(t.cuda())
         assert torch.equal(cpu.scales.view(torch.uint8), gpu.scales.view(torch.uint8).cpu()), name
         assert torch.equal(cpu.data.view(torch.uint8), gpu.data.view(torch.uint8).cpu()), name
+
+
+def ref_mxfp8_values(lines: np.ndarray) -> np.ndarray:
+    """The reference's dequantized values (float64: exact) of `lines`, blocks along each line."""
+    data, scales = ref_mxfp8_lines(lines.astype(np.float32))
+    values = torch.from_numpy(data).view(torch.float8_e4m3fn).double().numpy()
+    scale = np.exp2(scales.astype(np.float64) - 127)
+    return values * np.repeat(scale, 32, axis=1)
+
+
+def test_each_gemm_reads_the_copy_blocked_along_its_reduction_dimension():
+    """The emulated MXFP8 linear, per GEMM and per operand, against the reference: x and W blocked
+    along K (Fprop), dY and W^T along N (Dgrad), dY^T and x^T along T with T zero-padded to 32
+    (Wgrad); each copy from the high-precision tensor, as TE's rowwise and columnwise copies.
+    gemm=exact multiplies in FP32: the reference multiplies the same exact values in float64, so
+    only FP32's accumulation differs, by at most (terms * 2**-24) * sum |a_i b_i| per element."""
+    from nvfp4_recipe import quantized_linear
+    from nvfp4_recipe.config import MXFP8Config
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, k, n = 40, 96, 64  # 40 tokens: Wgrad pads T to 64
+    # W's odd columns 2**-24 times its even ones, beyond E4M3's range (2**-9 .. 448): a block along
+    # K flushes them, a block along N keeps them, so Dgrad from the wrong copy is far off (checked
+    # at the end). x spans five decades along K.
+    x = (torch.randn(tokens, k, generator=gen) * torch.logspace(-3, 2, k)).requires_grad_()
+    odd_small = torch.where(torch.arange(k) % 2 == 0, 1.0, 2.0**-24)
+    w = (torch.randn(n, k, generator=gen) * odd_small).requires_grad_()
+    dy = torch.randn(tokens, n, generator=gen) * 1e-3
+    y = quantized_linear(x, w, None, MXFP8Config(gemm="exact"))
+    y.backward(dy)
+
+    xs, ws, dys = (t.detach().double().numpy() for t in (x, w, dy))
+
+    def padded_t(a):  # (T, C) -> (C, 64): Wgrad's operands, T zero-padded
+        return np.concatenate([a.T, np.zeros((a.shape[1], 64 - tokens))], axis=1)
+
+    operands = {
+        "fprop": (ref_mxfp8_values(xs), ref_mxfp8_values(ws)),
+        "dgrad": (ref_mxfp8_values(dys), ref_mxfp8_values(ws.T)),
+        "wgrad": (ref_mxfp8_values(padded_t(dys)), ref_mxfp8_values(padded_t(xs))),
+    }
+    got = {"fprop": y.detach(), "dgrad": x.grad, "wgrad": w.grad}
+    for gemm, (a, b) in operands.items():
+        bound = a.shape[1] * 2.0**-24 * (np.abs(a) @ np.abs(b).T) + 1e-45
+        error = np.abs(got[gemm].double().numpy() - a @ b.T)
+        assert (error <= bound).all(), (gemm, (error / bound).max())
+    # Dgrad from Fprop's copy of W (blocks along K, transposed) is another result: the test can fail.
+    wrong = ref_mxfp8_values(dys) @ ref_mxfp8_values(ws)
+    a, b = operands["dgrad"]
+    bound = a.shape[1] * 2.0**-24 * (np.abs(a) @ np.abs(b).T)
+    assert (np.abs(x.grad.double().numpy() - wrong) > 100 * bound).any()

@@ -120,6 +120,29 @@ def test_nvfp4_rule_by_te_release(capability, te, expected):
     assert (ok, why) == (expected == "", expected)
 
 
+# TE's MXFP8 rule: the recipe from v2.0 (common/recipe/__init__.py:165), cc >= 10.0 (v2.0
+# fp8.py:41), and from v2.6 not on 12.x (v2.6 fp8.py:49-52, v2.18 quantization.py:162-168).
+@pytest.mark.parametrize(
+    "capability,te,expected",
+    [((10, 0), "1.13.0", "MXFP8BlockScaling needs transformer_engine >= 2.0, found 1.13.0"),
+     ((10, 0), "2.0.0", ""), ((10, 3), "2.18.0", ""),
+     ((9, 0), "2.18.0", "TE MXFP8 needs compute capability 10.0 or newer, found 9.0"),
+     ((12, 0), "2.5.0", ""),
+     ((12, 0), "2.6.0", "transformer_engine 2.6.0 does not run MXFP8 on compute capability 12.0")],
+)
+def test_mxfp8_rule_by_te_release(capability, te, expected):
+    ok, why = te_recipe_rule("mxfp8", capability, "12.9", te)
+    assert (ok, why) == (expected == "", expected)
+
+
+def test_mxfp8_runs_on_te_only_on_blackwell_datacenter_parts():
+    mxfp8 = PrecisionConfig(format="mxfp8")
+    assert te_supports(mxfp8, (10, 0), "12.9", "2.9.0") == (True, "")
+    assert te_supports(mxfp8, (9, 0), "12.9", "2.9.0") == (
+        False, "MXFP8 TE GEMMs need compute capability 10.x, found 9.0")
+    assert te_supports(mxfp8, (12, 0), "12.9", "2.5.0")[0] is False  # this project's own rule
+
+
 # -- probe_te_support: asks the installed TE (faked here; TE is not installed on CPU) -----------
 
 def _fake_te(monkeypatch, version: str, manager=None, *, where: str = "quantization"):

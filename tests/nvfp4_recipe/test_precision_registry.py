@@ -49,10 +49,11 @@ REL_ERROR_BOUNDS = {
     "nvfp4": _E2M1_BOUNDS,
     "mxfp4": _E2M1_BOUNDS,
     "fp8": (2**-5 / 3**0.5, 2**-4 / 3**0.5),  # E4M3, 3 mantissa bits: 0.018 .. 0.036
+    "mxfp8": (2**-5 / 3**0.5, 2**-4 / 3**0.5),  # E4M3 elements too, power-of-two block scales
 }
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "mxfp4", "mxfp8"])
 def test_each_format_runs_its_linear_and_its_diagnostics(fmt):
     gen = torch.Generator().manual_seed(0)
     config = gemm_config_for(fmt, PrecisionConfig(format=fmt))
@@ -85,7 +86,7 @@ def test_an_unregistered_config_or_format_is_refused():
 
 # Every choice field of the precision schema, with its values as YAML and the command line spell them.
 CHOICES = {
-    "precision.format": ["bf16", "nvfp4", "fp8", "mxfp4"],
+    "precision.format": ["bf16", "nvfp4", "fp8", "mxfp4", "mxfp8"],
     "precision.backend": ["auto", "te", "emulated"],
     "precision.gemm": ["fast", "exact"],
     "precision.kernels": ["auto", "eager", "compiled"],

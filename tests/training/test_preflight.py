@@ -34,7 +34,7 @@ def in_proj(n: int, fmt: str = "nvfp4", k: int = 5120) -> Linear:
 def test_every_rule_cites_its_source_and_has_a_test():
     tested = {"te.nvfp4.quantize_16", "te.nvfp4.cast_32", "te.nvfp4.rht_fusion",
               "te.fp8_block.sequence_parallel_gather", "te.fp8.exec_dims", "te.fp8_block.gemm_dims",
-              "emulated.nvfp4.block_16", "emulated.mxfp4.block_32"}
+              "emulated.nvfp4.block_16", "emulated.mxfp4.block_32", "emulated.mxfp8.block_32"}
     assert {r.id for r in RULES} == tested
     for rule in (*RULES, *KNOWN_BAD):
         assert rule.source and rule.severity in ("slower", "fail"), rule.id
@@ -139,15 +139,17 @@ def test_te_fp8_block_gemm_leading_and_outer_dims():
 # -- the emulation ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt,ok_n,bad_n", [("nvfp4", 2832, 2824), ("mxfp4", 2848, 2832)])
+@pytest.mark.parametrize("fmt,ok_n,bad_n", [("nvfp4", 2832, 2824), ("mxfp4", 2848, 2832),
+                                             ("mxfp8", 2848, 2832)])
 def test_emulation_needs_whole_blocks_of_k_and_n(fmt, ok_n, bad_n):
-    """nvfp4_recipe/operands.py:48-61 check_shapes: K and N multiples of 16 (NVFP4) / 32 (MXFP4),
+    """nvfp4_recipe/operands.py:48-61 check_shapes: K and N multiples of 16 (NVFP4) / 32 (MX),
     checked once before Fprop; T is zero-padded (any number of tokens)."""
     import torch
 
     from nvfp4_recipe import MXFP4Config, NVFP4Config, quantized_linear
+    from nvfp4_recipe.config import MXFP8Config
 
-    config = NVFP4Config() if fmt == "nvfp4" else MXFP4Config()
+    config = {"nvfp4": NVFP4Config, "mxfp4": MXFP4Config, "mxfp8": MXFP8Config}[fmt]()
     assert verdicts(in_proj(ok_n, fmt, k=64), backend="emulated", tokens=7) == {
         "fprop": "ok", "dgrad": "ok", "wgrad": "ok"}
     assert verdicts(in_proj(bad_n, fmt, k=64), backend="emulated")["fprop"] == "fail"

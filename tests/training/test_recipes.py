@@ -71,6 +71,10 @@ def test_bf16_layer_overrides_of_the_ablations():
     assert (fp8.bf16_first_layers, fp8.bf16_last_layers) == (1, 2)
     assert te_recipe_spec(fp8)["recipe"] == "Float8BlockScaling"
     assert te_recipe_spec(compose_train("precision=mxfp4").precision) is None
+    # MXFP8 as Megatron-Bridge's bf16_with_mxfp8_mixed runs it: every layer, E4M3 throughout
+    mxfp8 = compose_train("precision=mxfp8").precision
+    assert (mxfp8.format, mxfp8.bf16_first_layers, mxfp8.bf16_last_layers) == ("mxfp8", 0, 0)
+    assert te_recipe_spec(mxfp8) == {"recipe": "MXFP8BlockScaling", "kwargs": {"fp8_format": "E4M3"}}
     assert compose_train("precision=nvfp4_switch").precision.switch_to_bf16.at_fraction == 0.8
 
 
