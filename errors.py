@@ -1,7 +1,7 @@
 """The project's exit codes and the errors that carry them: the one place both are defined.
 
-Every command (`train.py`, `data.prepare` and its `--check`, `training.hf_export`,
-`training.evaluate`, `studies.ablations`, `launch/slurm.sbatch`) exits with one of `ExitCode`.
+Every command (`train.py`, `data.prepare` and its `--check`, `tools.hf_export`,
+`tools.evaluate`, `studies.ablations`, `launch/slurm.sbatch`) exits with one of `ExitCode`.
 A refusal the project foresaw is a `ProjectError` (or a subclass) carrying its code: the entry
 point prints its one-line message and exits with that code. Any other exception is a bug: it
 propagates with its traceback and the process exits 1. The README's "Exit codes" table is this

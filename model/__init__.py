@@ -14,7 +14,7 @@
 - memory_model, flops: parameters and activation memory, and FLOPs per token (the dry-run planner,
   training/plan.py, and the benches use them).
 - hf: the config and weights mapped to and from transformers' NemotronH (the export command is
-  training/hf_export.py).
+  tools/hf_export.py).
 
 Uses `nvfp4_recipe` (each linear's precision) and `compat`; knows nothing of data or training.
 """

@@ -1,15 +1,16 @@
 """Hugging Face interoperability: this project's hybrid <-> transformers' `NemotronHForCausalLM`.
 
-    python -m training.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
+    python -m tools.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
     train.py model.init_from=/path/to/hf_dir ...      (continued pretraining, any TP/PP)
 
 This module maps the model (configuration and weights) both ways; reading a run's checkpoint for
-the export is the training side's job (training/hf_export.py). Export reads a run's megatron
-distributed checkpoint (written at any tensor/pipeline layout: every tensor is stored with its
-global shape, so torch's checkpoint reader assembles the full tensors on one CPU process), strips the vocabulary padding, splits the fused projections into
-transformers' layout and writes, atomically (a temporary directory renamed into place):
-config.json, generation_config.json, model.safetensors (sharded with an index above
---max-shard-size) and the tokenizer files. `AutoModelForCausalLM.from_pretrained(DIR)` loads it
+the export is the run reader's job (training/run_reader.py, for tools/hf_export.py). Export reads
+a run's megatron distributed checkpoint (written at any tensor/pipeline layout: every tensor is
+stored with its global shape, so torch's checkpoint reader assembles the full tensors on one CPU
+process), strips the vocabulary padding, splits the fused projections into transformers' layout
+and writes, atomically (a temporary directory renamed into place): config.json,
+generation_config.json, model.safetensors (sharded with an index above --max-shard-size) and the
+tokenizer files. `AutoModelForCausalLM.from_pretrained(DIR)` loads it
 with no custom code. Import checks the directory's config.json field by field against
 `model.*`, reads safetensors only (never a pickle), and copies each tensor into the rank's shard
 of the freshly built model through megatron's own sharded-state-dict description of it.

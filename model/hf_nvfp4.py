@@ -1,5 +1,5 @@
 """NVFP4 serving exports: the weights an NVFP4 run's forward pass computed with, in the two
-checkpoint formats vLLM and TensorRT-LLM load (`python -m training.hf_export RUN_DIR
+checkpoint formats vLLM and TensorRT-LLM load (`python -m tools.hf_export RUN_DIR
 --weights nvfp4 --format compressed-tensors|modelopt`).
 
 Every linear the run trained in NVFP4 (the run's precision policy: BF16 first/last layers and

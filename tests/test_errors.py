@@ -110,6 +110,7 @@ def test_project_errors_carry_their_codes():
     from training.checkpoint import CheckpointMismatch, CheckpointNotWritten, NoUsableCheckpoint
     from training.metrics import WandbUnavailable
     from training.run_dir import RunDirBusy, UnsafeFile
+    from training.run_reader import RunDirError
     from training.safe_load import CheckpointRefused
 
     expected = {ConfigError("x"): ExitCode.CONFIG, MissingError("x"): ExitCode.MISSING,
@@ -118,6 +119,8 @@ def test_project_errors_carry_their_codes():
                 CheckpointMismatch("x"): ExitCode.CONFIG,
                 CheckpointNotWritten("x"): ExitCode.UNWRITABLE,
                 NoUsableCheckpoint("x"): ExitCode.NO_USABLE_CHECKPOINT,
+                RunDirError("x"): ExitCode.CONFIG,
+                RunDirError("x", ExitCode.NO_USABLE_CHECKPOINT): ExitCode.NO_USABLE_CHECKPOINT,
                 CheckpointRefused("x"): ExitCode.NO_USABLE_CHECKPOINT,
                 WandbUnavailable("x"): ExitCode.WANDB_UNAVAILABLE,
                 RunDirBusy("x"): ExitCode.IN_USE, UnsafeFile("/a", "is a link"): ExitCode.UNWRITABLE,

@@ -7,8 +7,12 @@ can form among them.
     data                            <- errors, field_ranges, atomic_files
     model                           <- errors, field_ranges, compat, nvfp4_recipe
     training                        <- model, data and everything below them
-    launch, benchmarks              <- training and everything below it
+    tools, launch, benchmarks       <- training and everything below it
     studies                         <- benchmarks and everything below it
+
+`tools` holds the offline commands over finished runs (the Hugging Face export, evaluate); what
+the training loop also uses (the run reader, the lm-eval model, the task preparation) stays in
+`training`, so no arrow runs up from training to tools. Nothing imports tools.
 
 Every import statement of every module counts, also those inside functions: a deferred import
 still makes the importing package depend on the imported one.
@@ -41,12 +45,13 @@ BELOW = {
     "data": {"errors", "field_ranges", "atomic_files"},
     "model": _FLOOR,
     "training": _FLOOR | {"model", "data"},
+    "tools": _FLOOR | {"training", "model", "data"},  # commands over finished runs
     "launch": _FLOOR | {"training", "model", "data"},
     "benchmarks": _FLOOR | {"training", "model", "data"},
     "studies": _FLOOR | {"benchmarks", "training", "model", "data"},
 }
-# Modules allowed to reach up a layer, with the reason; none today (the Hugging Face export, which
-# reads a run's checkpoint, lives in training/hf_export.py, model/hf.py only maps the weights).
+# Modules allowed to reach up a layer, with the reason; none today (a run's checkpoint is read by
+# training/run_reader.py for the export in tools/hf_export.py; model/hf.py only maps the weights).
 EXCEPTIONS: set[tuple[str, str]] = set()
 
 

@@ -1,6 +1,6 @@
 """What `pip install` puts into site-packages: the nvfp4_recipe library and nothing else. The
-application's generic names (data, model, training, launch, benchmarks, studies, compat) run from the
-checkout and would collide with other code if installed."""
+application's generic names (data, model, training, tools, launch, benchmarks, studies, compat)
+run from the checkout and would collide with other code if installed."""
 
 from __future__ import annotations
 

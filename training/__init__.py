@@ -1,4 +1,5 @@
-"""The training loop and its parts; the dry-run planner, the GEMM preflight, the HF export.
+"""The training loop and its parts, run management and start-up; the dry-run planner, the GEMM
+preflight. The offline commands over finished runs (the HF export, evaluate) are in tools/.
 
 - entry (`train.py`'s `run`: the start-up checks, cheapest first, then `Trainer.fit`), trainer
   (the loop), signals (preemption and Ctrl-C, obeyed at a step's end), config (the Hydra
@@ -7,11 +8,13 @@
   weights, data parallelism), lr_schedule (the WSD schedule), validation (the validation loss),
   cadence (`Every`: when each part of the loop is due), distributed, grad_health, metrics.
 - checkpoint, safe_load (atomic, verified checkpoints, loaded without running code from them),
-  run_dir (one trainer per run directory: its lock, its safe files, its preparation at start-up).
+  run_reader (a finished run read back: its config.yaml, a verified checkpoint, the model's full
+  tensors; for init_from and tools/), run_dir (one trainer per run directory: its lock, its safe
+  files, its preparation at start-up).
 - plan (the dry run: memory, FLOPs and time per rank), preflight (every low-precision GEMM checked
   against its backend's rules, at start-up and in the dry run).
-- hf_export (`python -m training.hf_export`: a run to a transformers directory, BF16 or NVFP4),
-  init_from (`model.init_from` of a run directory: its newest checkpoint's weights).
-- downstream (evaluations in the loop), lm_eval_model (lm-eval's `LM` over the project's model),
-  evaluate (`python -m training.evaluate`: lm-eval tasks on any checkpoint).
+- init_from (`model.init_from` of a run directory: its newest checkpoint's weights).
+- downstream (evaluations in the loop, and the task preparation `python -m tools.evaluate`
+  shares), lm_eval_model (lm-eval's `LM` over the project's model, in the loop and in
+  tools/evaluate.py).
 """

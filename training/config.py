@@ -236,8 +236,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """The checks across groups and over `world_size` processes, then those that read files,
     before anything is written; each error names a key. Every group checked its own fields when
     it was built (`__post_init__`). ConfigError (exit 2); a run's missing data file or tokenizer
-    is a MissingDataError (exit 3), an unusable model.init_from an HFError; a dry run plans
-    without the data files."""
+    is a MissingDataError (exit 3), an unusable model.init_from an HFError (a Hugging Face
+    directory) or a RunDirError (a run directory); a dry run plans without the data files."""
     check_across_groups(cfg, world_size)
     if cfg.model.init_from is not None:
         from model.hf import check_init_from

@@ -1,7 +1,7 @@
 """Downstream evaluation with lm-evaluation-harness: which tasks, whether they can run offline,
 running them on a `ProjectLM` and turning lm-eval's results into `eval/<task>/<metric>` values.
 
-Used by the trainer (`evaluation.*`, `DownstreamEvaluator`) and by `python -m training.evaluate`.
+Used by the trainer (`evaluation.*`, `DownstreamEvaluator`) and by `python -m tools.evaluate`.
 Offline by design: the process runs with the Hugging Face libraries in offline mode, and a task
 whose dataset is neither local nor in the datasets / hub caches is refused at start-up with one
 line naming the task and the dataset (`TaskUnavailable`), before anything is written.

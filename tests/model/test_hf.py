@@ -1,4 +1,4 @@
-"""Hugging Face round trips (model/hf.py, training/hf_export.py), on CPU with small random models made here.
+"""Hugging Face round trips (model/hf.py, tools/hf_export.py), on CPU with small random models made here.
 
 Fast: the conversions in one process (project -> transformers logits, transformers -> project ->
 transformers weights, config checks, the 12B config.json). Slow: train.py and the export CLI as a
@@ -24,10 +24,11 @@ from train_helpers import FAST, REPO, RESUMABLE, run_train, step_losses  # noqa:
 
 from errors import ExitCode  # noqa: E402
 from model import hf  # noqa: E402
-from training import hf_export  # noqa: E402
 from model.build import build_model  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
+from tools import hf_export  # noqa: E402
+from training import run_reader  # noqa: E402
 
 # All three layer kinds, GQA (4 query heads on 2 KV groups), 2 Mamba groups; vocabulary 300,
 # padded to 384 by the project (the export strips it back to 300).
@@ -310,7 +311,7 @@ TRAIN = [*FAST, "precision=bf16", "trainer.max_steps=2", "trainer.save_every=2",
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training.hf_export", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tools.hf_export", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -337,8 +338,8 @@ def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, shared_r
         assert (out / name).is_file(), name
 
     # The exported tensors are the checkpoint's, split and stripped as documented.
-    full = hf_export.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000004")
-    cfg = hf_export.read_run(run_dir).model
+    full = run_reader.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000004")
+    cfg = run_reader.read_run(run_dir).model
     expected = {k.replace("model.", "backbone.", 1): v
                 for k, v in hf.to_hf(full, cfg, 4096).items()}
     written = _safetensors(out)

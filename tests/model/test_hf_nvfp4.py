@@ -1,4 +1,4 @@
-"""NVFP4 serving exports (model/hf_nvfp4.py, `training.hf_export --weights nvfp4`).
+"""NVFP4 serving exports (model/hf_nvfp4.py, `tools.hf_export --weights nvfp4`).
 
 Fast: a small NVFP4 model (all three layer kinds, a BF16 first and last layer, an override kept
 BF16) whose input amax is recorded by a real forward, written as a run directory; the export runs
@@ -27,7 +27,8 @@ from nvfp4_recipe.megatron.input_amax import (InputAmaxRecorder,  # noqa: E402
                                               running_input_amax)
 from nvfp4_recipe.nvfp4 import nvfp4_scaled_values, quantize_nvfp4, tensor_scales  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
-from training import hf_export  # noqa: E402
+from tools import hf_export  # noqa: E402
+from training import run_reader  # noqa: E402
 
 # Every linear a whole number of 16x16 tiles (as NVFP4 training requires): in_proj has
 # 2 x 128 + 2 x 2 x 16 + 16 = 336 rows.
@@ -635,7 +636,7 @@ def test_a_tp2_nvfp4_run_records_amax_resumes_it_and_exports_both_formats(tmp_pa
             "trainer.eval_every=100", "parallel.tensor=2"]
     proc = run_train(run_dir, *args, nproc=2, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    files = hf_export.read_run(run_dir)
+    files = run_reader.read_run(run_dir)
     formats = hf_export.nvfp4_formats(files)
     step1 = torch.load(run_dir / "checkpoints" / "step_0000001" / "trainer.pt", weights_only=True)
     step2 = run_dir / "checkpoints" / "step_0000002"
@@ -650,7 +651,7 @@ def test_a_tp2_nvfp4_run_records_amax_resumes_it_and_exports_both_formats(tmp_pa
     state = torch.load(run_dir / "checkpoints" / "step_0000003" / "trainer.pt", weights_only=True)
     assert running_input_amax(state["input_amax"])[1] == 3
 
-    full = hf_export.read_checkpoint_weights(step2)
+    full = run_reader.read_checkpoint_weights(step2)
     packed = hf_nvfp4.packed_linears(full, files.model, formats, weight_2d=True)
     for fmt in hf_nvfp4.FORMATS:
         out = tmp_path / fmt

@@ -261,8 +261,9 @@ def test_init_from_a_run_directory_takes_its_weights_alone(tmp_path, parallel_co
     import dataclasses
 
     from model.config import ModelConfig
-    from model.hf import HFError, check_init_from
+    from model.hf import check_init_from
     from training.init_from import check_run_init, is_run_dir, load_run_weights
+    from training.run_reader import RunDirError
 
     core, optimizer = sharded_model
     model_cfg = ModelConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=128, pattern="M*-")
@@ -278,6 +279,6 @@ def test_init_from_a_run_directory_takes_its_weights_alone(tmp_path, parallel_co
     for key, value in want.items():
         if isinstance(value, torch.Tensor) and not key.endswith("_extra_state"):
             assert torch.equal(value, got[key]), key
-    with pytest.raises(HFError, match=r"model.hidden_size=96 but the run has 64") as caught:
+    with pytest.raises(RunDirError, match=r"model.hidden_size=96 but the run has 64") as caught:
         check_run_init(dataclasses.replace(cfg, hidden_size=96))
     assert "\n" not in str(caught.value)

@@ -83,21 +83,3 @@ def test_a_te_run_refuses_a_recipe_changed_by_the_environment(parallel_context, 
     with pytest.raises(ConfigError, match="NVTE_BACKWARD_OVERRIDE=.dequantized."):
         entry._start_up(raw)
     assert not run_dir.exists()
-
-
-@pytest.mark.slow  # reads the shared four-step run
-def test_evaluate_on_te_refuses_a_recipe_changed_by_the_environment(shared_runs, parallel_context,
-                                                                    monkeypatch):
-    """training.evaluate builds the same TE model: the same refusal, before any weight loads.
-    The backend and the run's formats are stated (the shared run is BF16, on CPU)."""
-    from errors import ConfigError
-    from train_helpers import RESUMABLE
-    from training import evaluate
-
-    run_dir, _ = shared_runs.get(*RESUMABLE)
-    monkeypatch.setenv("NVTE_NVFP4_4OVER6", "all")
-    monkeypatch.setattr("model.build.choose_backend", lambda *a, **k: ("te", "stated"))
-    monkeypatch.setattr("nvfp4_recipe.megatron.te_mapping.te_formats", lambda precision: ["nvfp4"])
-    monkeypatch.setattr("model.build.build_model", lambda *a, **k: pytest.fail("built"))
-    with pytest.raises(ConfigError, match="NVTE_NVFP4_4OVER6='all'"):
-        evaluate.load_model(run_dir, None, parallel_context)

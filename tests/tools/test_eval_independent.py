@@ -1,6 +1,6 @@
 """The downstream evaluation checked from outside, by code it does not share: on a demo checkpoint,
-`python -m training.evaluate` gives lm-eval's own HFLM's per-sample log-likelihoods and accuracy
-on the `training.hf_export` of the same checkpoint, and the same scores at TP=2 and at PP=2.
+`python -m tools.evaluate` gives lm-eval's own HFLM's per-sample log-likelihoods and accuracy
+on the `tools.hf_export` of the same checkpoint, and the same scores at TP=2 and at PP=2.
 
 One demo run (the test size, 2 steps, precision.gemm_compute=fp32 so both sides multiply in
 FP32) serves every test here; the evaluations run as a user runs them, from the command line
@@ -49,11 +49,11 @@ def run(tmp_path_factory, data_cache) -> Path:
 
 
 def evaluate(run_dir: Path, out: Path, data_cache: Path, *layout: str, nproc: int = 1) -> dict:
-    """training.evaluate's --output record (with lm-eval's samples), as a user runs it."""
+    """tools.evaluate's --output record (with lm-eval's samples), as a user runs it."""
     launcher = ([sys.executable] if nproc == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={nproc}"])
-    proc = subprocess.run([*launcher, "-m", "training.evaluate", str(run_dir), "--tasks", TASK,
+    proc = subprocess.run([*launcher, "-m", "tools.evaluate", str(run_dir), "--tasks", TASK,
                            "--limit", str(LIMIT), "--output", str(out), "--log-samples",
                            *layout], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "NVFP4_CACHE": str(data_cache)})
@@ -96,7 +96,7 @@ def test_evaluate_matches_lm_evals_hflm_on_the_hf_export(run, tp1, tmp_path):
     pytest.importorskip("accelerate", reason="lm-eval's HFLM imports accelerate")
     from lm_eval.models.huggingface import HFLM
 
-    from training import hf_export
+    from tools import hf_export
     from training.downstream import evaluate as lm_eval_evaluate
     from training.downstream import flat_metrics, prepare_tasks
 

@@ -1,16 +1,17 @@
 """Export a training run to a transformers NemotronH directory (model/hf.py maps the weights).
 
-    python -m training.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
+    python -m tools.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
         [--weights bf16|nvfp4 [--format compressed-tensors|modelopt]
                               [--weights-only | --zero-amax refuse|weights-only]]
 
 Reads the run's config.yaml and its newest intact checkpoint (or --step N, verified against its
-manifest) through the checkpoint reader's allow-listed unpickler, then writes the directory
-atomically; every check runs before anything is written. --output may not be, hold or lie inside
-the run directory; --overwrite replaces only a previous export (its nvfp4_export.json lists what
-it wrote, and nothing else may be in it). Exit codes as the trainer's: 2 a bad argument (run
-directory, step, --output, --max-shard-size), 3 the tokenizer is missing, 6 the checkpoint is
-torn, corrupt or refused, 8 --output cannot be written (read-only, no permission, disk full).
+manifest) through the run reader (training/run_reader.py, with the checkpoint reader's
+allow-listed unpickler), then writes the directory atomically; every check runs before anything
+is written. --output may not be, hold or lie inside the run directory; --overwrite replaces only
+a previous export (its nvfp4_export.json lists what it wrote, and nothing else may be in it).
+Exit codes as the trainer's: 2 a bad argument (run directory, step, --output,
+--max-shard-size), 3 the tokenizer is missing, 6 the checkpoint is torn, corrupt or refused,
+8 --output cannot be written (read-only, no permission, disk full).
 
 --weights nvfp4 (model/hf_nvfp4.py; docs/serving.md) stores every linear the run trained in NVFP4
 as its forward pass quantized it, in compressed-tensors' nvfp4-pack-quantized format (vLLM) or
@@ -31,122 +32,17 @@ import argparse
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from compat import quiet_cpu_fallback_warnings
-from errors import ExitCode
-from model.config import ModelConfig
-from model.hf import (
-    _MODEL_KEY_PREFIXES,
-    canonical_key,
-    HF_EXTRA_HINT,
-    HFError,
-    hf_config,
-    not_replaceable,
-    to_hf,
-    write_hf_dir,
-)
+from errors import ExitCode, ProjectError
+from model.hf import HF_EXTRA_HINT, HFError, hf_config, not_replaceable, to_hf, write_hf_dir
+from training.run_reader import RunFiles, pick_checkpoint, read_checkpoint_weights, read_run
 
 log = logging.getLogger("nvfp4_pretrain")
-
-
-@dataclass
-class RunFiles:
-    model: ModelConfig
-    tokenizer: Optional[str]  # data.tokenizer: a tokenizer.json or a Hugging Face directory
-    cache_dir: str
-    demo: object  # data.config.DemoConfig
-    precision: object = None  # nvfp4_recipe.policy.PrecisionConfig (None: not read)
-    total_tokens: Optional[int] = None  # trainer.max_steps x global batch x sequence length
-
-
-def read_run(run_dir: Path) -> RunFiles:
-    """The model and tokenizer settings a run was trained with (its config.yaml)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from data.config import DemoConfig
-    from nvfp4_recipe.policy import PrecisionConfig
-
-    path = run_dir / "config.yaml"
-    if not run_dir.is_dir():
-        raise HFError(f"RUN_DIR={run_dir}: not a directory")
-    if not path.is_file():
-        raise HFError(f"RUN_DIR={run_dir}: no config.yaml (not a run directory of train.py)")
-    try:
-        raw = OmegaConf.load(path)
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model))
-        data = raw.get("data", {})
-        demo = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemoConfig),
-                                                   data.get("demo", {})))
-        precision = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig),
-                                                        raw.get("precision", {})))
-        trainer = raw.get("trainer", {})
-        total = (trainer["max_steps"] * trainer["global_batch_size"] * trainer["seq_length"]
-                 if all(k in trainer for k in ("max_steps", "global_batch_size", "seq_length"))
-                 else None)
-    except (OmegaConfBaseException, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HFError(f"{path}: {first}") from None
-    return RunFiles(model=model, tokenizer=data.get("tokenizer"),
-                    cache_dir=str(data.get("cache_dir", ".cache/data")), demo=demo,
-                    precision=precision, total_tokens=total)
-
-
-def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
-    """checkpoints/step_N (verified against its manifest), or the newest intact one."""
-    from training import checkpoint as ckpt
-
-    root = run_dir / "checkpoints"
-    if step is not None:
-        path = root / ckpt.step_dir_name(step)
-        if not path.is_dir():
-            have = sorted(p.name for p in root.glob(f"{ckpt.PREFIX}*")) if root.is_dir() else []
-            raise HFError(f"--step {step}: {path} does not exist (checkpoints: "
-                          f"{', '.join(have) or 'none'})")
-        problem = ckpt.verify_checkpoint(path)
-        if problem:
-            raise HFError(f"--step {step}: {path} is unusable: {problem}", ExitCode.NO_USABLE_CHECKPOINT)
-        return path
-    found = ckpt.latest_valid_checkpoint(root)
-    if found is None:
-        if root.is_dir() and any(root.glob(f"{ckpt.PREFIX}*")):
-            raise HFError(f"RUN_DIR={run_dir}: none of its checkpoints is usable (see the "
-                          "warnings above)", ExitCode.NO_USABLE_CHECKPOINT)
-        raise HFError(f"RUN_DIR={run_dir}: no checkpoint in {root}")
-    return found
-
-
-def read_checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's full tensors {portable checkpoint key: tensor} from step_N/dist, assembled
-    from the shards of any TP/PP layout by torch's checkpoint reader, metadata read by
-    training/safe_load.py's allow-listed unpickler, tensors with weights_only loading."""
-    from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from training.safe_load import (CheckpointRefused, SafeFileSystemReader,
-                                    unwrap_checkpoint_exception)
-
-    reader = SafeFileSystemReader(checkpoint / "dist")
-    try:
-        metadata = reader.read_metadata()
-    except CheckpointRefused as exc:
-        raise HFError(str(exc), ExitCode.NO_USABLE_CHECKPOINT) from None
-    wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-              for key, meta in metadata.state_dict_metadata.items()
-              if isinstance(meta, TensorStorageMetadata) and key.startswith(_MODEL_KEY_PREFIXES)}
-    try:
-        dcp.load(wanted, storage_reader=reader, no_dist=True)
-    except CheckpointException as exc:  # torch wraps each failure (dcp/utils.py)
-        cause = unwrap_checkpoint_exception(exc)
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise HFError(f"refusing {checkpoint / 'dist'}: {first}", ExitCode.NO_USABLE_CHECKPOINT) from None
-    return {canonical_key(k): v for k, v in wanted.items()}
 
 
 def _hf_tokenizer(files: RunFiles, override: Optional[str]):
@@ -428,7 +324,7 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ex = argparse.ArgumentParser(prog="python -m training.hf_export", description=__doc__.split("\n")[0])
+    ex = argparse.ArgumentParser(prog="python -m tools.hf_export", description=__doc__.split("\n")[0])
     ex.add_argument("run_dir", help="the run directory (run.dir) of train.py")
     ex.add_argument("--step", type=int, help="checkpoint step (default: the newest intact one)")
     ex.add_argument("--output", required=True, help="the directory to write")
@@ -457,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         checkpoint = export(args.run_dir, args.output, args.step, args.tokenizer, args.overwrite,
                             args.max_shard_size, args.weights, args.fmt, args.weights_only,
                             args.zero_amax)
-    except HFError as exc:
+    except ProjectError as exc:  # HFError, or the run reader's RunDirError
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:  # the temporary is gone (write_hf_dir), a previous export kept

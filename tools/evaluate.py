@@ -1,6 +1,6 @@
 """Evaluate any checkpoint of a run on lm-eval tasks, with the model as training builds it.
 
-    python -m training.evaluate RUN_DIR [--step N] --tasks demo_arith_choice,... [--limit N]
+    python -m tools.evaluate RUN_DIR [--step N] --tasks demo_arith_choice,... [--limit N]
         [--batch-size B] [--output results.json [--log-samples] [--overwrite]] [--tensor T --pipeline P
         [--first-stage-layers F] [--last-stage-layers L]]
 
@@ -38,7 +38,7 @@ log = logging.getLogger("nvfp4_pretrain")
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m training.evaluate",
+    p = argparse.ArgumentParser(prog="python -m tools.evaluate",
                                 description="Evaluate a run's checkpoint on lm-eval tasks.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
@@ -95,13 +95,12 @@ def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
     from data.demo import ensure_demo_corpus
     from data.tokenizer import load_tokenizer_spec
     from model.build import build_model, choose_backend
-    from model.hf import HFError, load_full_tensors
+    from model.hf import load_full_tensors
     from model.memory_model import pipeline_stages
+    from training.ddp_optimizer import PARAMS_DTYPE
+    from training.run_reader import RunDirError, pick_checkpoint, read_checkpoint_weights, read_run
 
-    from .hf_export import pick_checkpoint, read_checkpoint_weights, read_run
-    from .ddp_optimizer import PARAMS_DTYPE
-
-    files = read_run(run_dir)  # HFError: a ProjectError with its own code
+    files = read_run(run_dir)  # RunDirError: a ProjectError with its own code
     checkpoint = pick_checkpoint(run_dir, step)
     try:
         pipeline_stages(files.model.num_layers, ctx.pipeline, first_stage_layers,
@@ -137,7 +136,7 @@ def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
 
     def tensor_for(key, shape):
         if key not in weights:
-            raise HFError(f"{checkpoint.name} has no {key}", ExitCode.NO_USABLE_CHECKPOINT)
+            raise RunDirError(f"{checkpoint.name} has no {key}", ExitCode.NO_USABLE_CHECKPOINT)
         return weights[key]
 
     load_full_tensors(module, tensor_for)
@@ -151,7 +150,7 @@ def precision_at(built, files, checkpoint, run_dir: Path):
 
     from nvfp4_recipe.megatron.controller import PrecisionController
 
-    from . import checkpoint as ckpt
+    from training import checkpoint as ckpt
 
     step = ckpt.named_step(checkpoint)
     trainer = OmegaConf.load(run_dir / "config.yaml").get("trainer", {})
@@ -171,11 +170,11 @@ def main(argv=None) -> int:
     ctx = None
     try:
         tasks = check_args(args)
-        from .downstream import prepare_tasks
+        from training.downstream import prepare_tasks
 
         # an unknown task (exit 2), a dataset not here offline (3): before any model is built
         manager = prepare_tasks(tasks)
-        from .distributed import init_distributed, shutdown
+        from training.distributed import init_distributed, shutdown
 
         ctx = init_distributed(args.tensor, args.pipeline)
         return run(args, tasks, manager, ctx)
@@ -190,8 +189,8 @@ def main(argv=None) -> int:
 def run(args, tasks, manager, ctx) -> int:
     from lm_eval.utils import make_table
 
-    from .downstream import evaluate, flat_metrics, summary_line, timed
-    from .lm_eval_model import ProjectLM
+    from training.downstream import evaluate, flat_metrics, summary_line, timed
+    from training.lm_eval_model import ProjectLM
 
     built, files, tokenizer, checkpoint = load_model(
         args.run_dir.expanduser(), args.step, ctx, args.first_stage_layers,

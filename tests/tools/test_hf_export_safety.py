@@ -1,4 +1,4 @@
-"""What `python -m training.hf_export` may never do: delete the run it exports or a user's files,
+"""What `python -m tools.hf_export` may never do: delete the run it exports or a user's files,
 and the one-line errors of its refusals.
 
 Fast: a run directory made here (config.yaml, checkpoints, metrics) whose checkpoint reader is
@@ -21,7 +21,7 @@ from model import hf  # noqa: E402
 from model.build import build_model  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
-from training import hf_export  # noqa: E402
+from tools import hf_export  # noqa: E402
 
 from tests.helpers import model_full_tensors, unwritable_output  # noqa: E402
 
