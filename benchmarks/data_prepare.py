@@ -94,13 +94,13 @@ def _cpu_seconds() -> float:
 
 
 def run_one(inp: str, tok: str, out: str, workers: int) -> Dict:
-    import data.prepare as prep
+    from data.prepare import cli
 
     load0 = os.getloadavg()[0]
     cpu0 = _cpu_seconds()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # only this table on stdout
-        rc = prep.main([inp, "--tokenizer", tok, "--output", out, "--workers", str(workers), "--no-progress",
-                        "--overwrite"])
+        rc = cli.main([inp, "--tokenizer", tok, "--output", out, "--workers", str(workers), "--no-progress",
+                       "--overwrite"])
     if rc != 0:
         raise SystemExit(f"data.prepare failed ({rc})")
     meta = json.loads(Path(out + ".json").read_text())

@@ -7,8 +7,10 @@ import os
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-import data.prepare as prep
 from data.indexed import open_indexed
+from data.prepare import cli, tokenizing
+from data.prepare.pieces import plan_pieces
+from data.prepare.readers import iter_records
 from errors import ExitCode
 
 TEXTS = [
@@ -47,7 +49,7 @@ def _no_tmp(d):
 def test_round_trip_jsonl(tmp_path, tiny_tokenizer):
     _jsonl(tmp_path / "in.jsonl", TEXTS)
     out = tmp_path / "out" / "ds"
-    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"]) == 0
+    assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"]) == 0
     assert _decode_all(str(out), tiny_tokenizer) == TEXTS
     meta = json.loads((tmp_path / "out" / "ds.json").read_text())
     assert meta["documents"] == len(TEXTS) and meta["bad_records"] == {}
@@ -58,7 +60,7 @@ def test_bad_lines_counted_and_reported(tmp_path, tiny_tokenizer, capsys):
     bad = [b"{not json", json.dumps({"body": "x"}).encode(), json.dumps({"text": 3}).encode(), b'{"text": "bad \xff"}']
     _jsonl(tmp_path / "in.jsonl", TEXTS[:2], bad)
     out = tmp_path / "ds"
-    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"]) == 0
+    assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"]) == 0
     meta = json.loads((tmp_path / "ds.json").read_text())
     assert meta["documents"] == 2
     assert sum(meta["bad_records"].values()) == 4
@@ -70,7 +72,7 @@ def test_bad_lines_counted_and_reported(tmp_path, tiny_tokenizer, capsys):
 def test_strict_fails_naming_file_and_line(tmp_path, tiny_tokenizer, capsys):
     _jsonl(tmp_path / "in.jsonl", TEXTS, [b"{oops"])
     out = tmp_path / "ds"
-    rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--strict", "--no-progress"])
+    rc = cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--strict", "--no-progress"])
     assert rc == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'in.jsonl'}:5: malformed JSON" in capsys.readouterr().err.replace("\n", "")
     assert not os.path.exists(str(out) + ".bin") and not os.path.exists(str(out) + ".idx")
@@ -79,7 +81,7 @@ def test_strict_fails_naming_file_and_line(tmp_path, tiny_tokenizer, capsys):
 
 def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch):
     _jsonl(tmp_path / "in.jsonl", TEXTS * 50)
-    real, calls = prep.encode_batch, []
+    real, calls = tokenizing.encode_batch, []
 
     def dying(batch):
         calls.append(1)
@@ -87,10 +89,10 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch
             raise KeyboardInterrupt  # as if ^C arrived mid-run
         return real(batch)
 
-    monkeypatch.setattr(prep, "encode_batch", dying)
+    monkeypatch.setattr(tokenizing, "encode_batch", dying)
     out = tmp_path / "ds"
-    rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
-                    "--batch-bytes", "200", "--no-progress"])
+    rc = cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
+                   "--batch-bytes", "200", "--no-progress"])
     assert rc == 130 and len(calls) == 2
     assert not IndexedDataset.exists(str(out)) and _no_tmp(tmp_path)
 
@@ -109,8 +111,8 @@ def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, 
 
     monkeypatch.setattr(os, "replace", replace)
     out = tmp_path / "ds"
-    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
-                      "--no-progress"]) == ExitCode.UNWRITABLE
+    assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
+                     "--no-progress"]) == ExitCode.UNWRITABLE
     assert capsys.readouterr().err.strip() == (f"error: --output {out} cannot be written: disk vanished; "
                                                 "no output written")
     assert not IndexedDataset.exists(str(out))
@@ -120,13 +122,13 @@ def test_refuses_overwrite_unless_asked(tmp_path, tiny_tokenizer, capsys):
     _jsonl(tmp_path / "in.jsonl", TEXTS)
     out = str(tmp_path / "ds")
     args = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", out, "--no-progress"]
-    assert prep.main(args) == 0
+    assert cli.main(args) == 0
     before = open(out + ".bin", "rb").read()
     _jsonl(tmp_path / "in.jsonl", TEXTS[:1])
-    assert prep.main(args) == 2
+    assert cli.main(args) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert open(out + ".bin", "rb").read() == before
-    assert prep.main(args + ["--overwrite"]) == 0
+    assert cli.main(args + ["--overwrite"]) == 0
     assert _decode_all(out, tiny_tokenizer) == TEXTS[:1]
 
 
@@ -135,27 +137,27 @@ def test_text_modes_gzip_and_train_tokenizer(tmp_path):
     with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
         f.write("gz doc\n")
     out = tmp_path / "o" / "ds"
-    rc = prep.main([str(tmp_path / "*.txt*"), "--train-tokenizer", "300", "--text-doc", "paragraph",
-                    "--output", str(out), "--no-progress"])
+    rc = cli.main([str(tmp_path / "*.txt*"), "--train-tokenizer", "300", "--text-doc", "paragraph",
+                   "--output", str(out), "--no-progress"])
     assert rc == 0
     tok_path = str(tmp_path / "o" / "tokenizer.json")
     assert os.path.isfile(tok_path)
     assert _decode_all(str(out), tok_path) == ["para one\nstill one\n", "para two\n", "gz doc\n"]
     out2 = tmp_path / "o" / "lines"
-    assert prep.main([str(tmp_path / "a.txt"), "--tokenizer", tok_path, "--text-doc", "line", "--output", str(out2), "--no-progress"]) == 0
+    assert cli.main([str(tmp_path / "a.txt"), "--tokenizer", tok_path, "--text-doc", "line", "--output", str(out2), "--no-progress"]) == 0
     assert _decode_all(str(out2), tok_path) == ["para one\n", "still one\n", "para two\n"]
 
 
 def test_missing_input_is_usage_error(tmp_path, tiny_tokenizer):
-    assert prep.main([str(tmp_path / "nope*.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(tmp_path / "x")]) == 2
+    assert cli.main([str(tmp_path / "nope*.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(tmp_path / "x")]) == 2
 
 
 def test_workers_give_identical_output(tmp_path, tiny_tokenizer):
     texts = [f"document {i}: " + " ".join(["alpha", "beta", "gamma"][i % 3] for _ in range(i % 17 + 1)) for i in range(400)]
     _jsonl(tmp_path / "in.jsonl", texts, [b"{bad"])
     base = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--no-progress", "--batch-bytes", "2000"]
-    assert prep.main(base + ["--output", str(tmp_path / "w1")]) == 0
-    assert prep.main(base + ["--output", str(tmp_path / "w2"), "--workers", "2"]) == 0
+    assert cli.main(base + ["--output", str(tmp_path / "w1")]) == 0
+    assert cli.main(base + ["--output", str(tmp_path / "w2"), "--workers", "2"]) == 0
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"w1{ext}").read_bytes() == (tmp_path / f"w2{ext}").read_bytes()
     assert json.loads((tmp_path / "w2.json").read_text())["bad_records"] == {"malformed JSON": 1}
@@ -183,8 +185,8 @@ def test_temporaries_of_a_dead_writer_are_removed_by_the_next_run(tmp_path, tiny
     elsewhere = f"ds.tmp-{_dead_pid()}@not-{host}-89abcdef.bin"
     for name in (*dead, alive, elsewhere):
         (tmp_path / name).write_bytes(b"half a dataset")
-    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
-                      "--no-progress"]) == 0
+    assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
+                     "--no-progress"]) == 0
     left = sorted(p for p in os.listdir(tmp_path) if ".tmp-" in p)
     assert left == sorted([alive, elsewhere])
     assert f"removed {tmp_path / dead[0]}" in capsys.readouterr().err
@@ -212,14 +214,14 @@ def test_sigkill_mid_way_then_a_rerun_leaves_no_temporaries(tmp_path, tiny_token
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not _no_tmp(tmp_path) and not IndexedDataset.exists(str(out))  # what the kill left
-    assert prep.main(args) == 0
+    assert cli.main(args) == 0
     assert _no_tmp(tmp_path) and IndexedDataset.exists(str(out))
 
 
 def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_tokenizer, capsys):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\nna\xefve\n\xff\xfe\n")
-    rc = prep.main([str(tmp_path / "latin1.txt"), "--tokenizer", tiny_tokenizer, "--text-doc", "line",
-                    "--output", str(tmp_path / "ds"), "--no-progress"])
+    rc = cli.main([str(tmp_path / "latin1.txt"), "--tokenizer", tiny_tokenizer, "--text-doc", "line",
+                   "--output", str(tmp_path / "ds"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == ExitCode.BAD_INPUT
     assert "no documents in the input: all 3 records were dropped, 3 as invalid (3 invalid UTF-8)" in err
@@ -271,9 +273,9 @@ def test_parquet_and_saved_datasets_give_the_jsonl_tokens(tmp_path, tiny_tokeniz
     _write_parquet(tmp_path / "in.parquet", texts, row_group_size=16)
     _save_to_disk_dir(tmp_path / "saved", [texts[:25], texts[25:]])
     run = ["--tokenizer", tiny_tokenizer, "--no-progress", "--batch-bytes", "300"]
-    assert prep.main([str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "j"), *run]) == 0
-    assert prep.main([str(tmp_path / "in.parquet"), "--output", str(tmp_path / "p"), *run]) == 0
-    assert prep.main([str(tmp_path / "saved"), "--output", str(tmp_path / "a"), *run]) == 0
+    assert cli.main([str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "j"), *run]) == 0
+    assert cli.main([str(tmp_path / "in.parquet"), "--output", str(tmp_path / "p"), *run]) == 0
+    assert cli.main([str(tmp_path / "saved"), "--output", str(tmp_path / "a"), *run]) == 0
     for other in ("p", "a"):
         for ext in (".bin", ".idx"):
             assert (tmp_path / f"j{ext}").read_bytes() == (tmp_path / f"{other}{ext}").read_bytes(), other
@@ -292,13 +294,13 @@ def test_parquet_bad_values_are_counted_with_file_and_row(tmp_path, tiny_tokeniz
     out = tmp_path / "ds"
     args = [str(tmp_path / "x.parquet"), "--text-column", "body", "--tokenizer", tiny_tokenizer, "--output",
             str(out), "--no-progress"]
-    assert prep.main(args) == 0
+    assert cli.main(args) == 0
     meta = json.loads((tmp_path / "ds.json").read_text())
     assert meta["documents"] == 2 and meta["empty_documents"] == 1
     assert meta["bad_records"] == {"field 'body' is null": 1, "invalid UTF-8": 1}
     assert meta["bad_examples"] == [f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null",
                                     f"{tmp_path / 'x.parquet'}:row 3: invalid UTF-8 at byte 3"]
-    assert prep.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == ExitCode.BAD_INPUT
+    assert cli.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null (--strict)" in capsys.readouterr().err
     assert not IndexedDataset.exists(str(tmp_path / "strict")) and _no_tmp(tmp_path)
 
@@ -310,8 +312,8 @@ def test_parquet_bad_values_are_counted_with_file_and_row(tmp_path, tiny_tokeniz
 def test_a_missing_or_non_string_text_column_is_refused_before_writing(tmp_path, tiny_tokenizer, capsys,
                                                                        column, message):
     _write_parquet(tmp_path / "x.parquet", ["a", "b"], n=[1, 2])
-    rc = prep.main([str(tmp_path / "x.parquet"), "--text-column", column, "--tokenizer", tiny_tokenizer,
-                    "--output", str(tmp_path / "o" / "ds"), "--no-progress"])
+    rc = cli.main([str(tmp_path / "x.parquet"), "--text-column", column, "--tokenizer", tiny_tokenizer,
+                   "--output", str(tmp_path / "o" / "ds"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and f"error: {tmp_path / 'x.parquet'}" in err and message in err
     assert len(err.strip().splitlines()) == 1
@@ -322,7 +324,7 @@ def test_a_saved_dataset_dict_names_its_splits(tmp_path, tiny_tokenizer, capsys)
     _save_to_disk_dir(tmp_path / "dd" / "train", [["a"]])
     _save_to_disk_dir(tmp_path / "dd" / "test", [["b"]])
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
-    rc = prep.main([str(tmp_path / "dd"), "--tokenizer", tiny_tokenizer, "--output", str(tmp_path / "ds")])
+    rc = cli.main([str(tmp_path / "dd"), "--tokenizer", tiny_tokenizer, "--output", str(tmp_path / "ds")])
     assert rc == 2
     assert "is a saved DatasetDict with splits ['test', 'train']: give one split's directory" in capsys.readouterr().err
 
@@ -334,10 +336,10 @@ def test_parquet_streams_in_bounded_memory(tmp_path):
     doc = "lorem ipsum dolor sit amet " * 40  # ~1 KB
     _write_parquet(tmp_path / "big.parquet", [f"{i} {doc}" for i in range(40_000)], row_group_size=1000)
     files, kinds = [str(tmp_path / "big.parquet")], ["parquet"]
-    pieces = prep.plan_pieces(files, kinds, "file", None)
+    pieces = plan_pieces(files, kinds, "file", None)
     assert len(pieces[0].units) == 40
     peak, values = 0, 0
-    for _, _, arr in prep.iter_records(files, kinds, pieces, "file", "text", batch_bytes=1 << 20):
+    for _, _, arr in iter_records(files, kinds, pieces, "file", "text", batch_bytes=1 << 20):
         values += len(arr)
         peak = max(peak, pa.total_allocated_bytes())
     assert values == 40_000
@@ -367,8 +369,8 @@ def test_hf_tokenizer_directory_frames_documents_with_its_bos_and_eos(tmp_path, 
     tok = _hf_tokenizer_dir(tmp_path / "tok", config, post_bos)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     _jsonl(tmp_path / "in.jsonl", ["alpha beta", "gamma"])
-    assert prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output",
-                      str(tmp_path / "ds"), "--no-progress"]) == 0
+    assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output",
+                     str(tmp_path / "ds"), "--no-progress"]) == 0
     plain = [tok.encode(t, add_special_tokens=False).ids for t in ("alpha beta", "gamma")]
     assert _ids(tmp_path / "ds") == [[bos, *ids, eos] for ids in plain]  # one BOS, even when the post-processor adds it
     meta = json.loads((tmp_path / "ds.json").read_text())
@@ -378,7 +380,7 @@ def test_hf_tokenizer_directory_frames_documents_with_its_bos_and_eos(tmp_path, 
 def test_hf_tokenizer_directory_without_eos_is_refused(tmp_path, tiny_tokenizer, capsys):
     _hf_tokenizer_dir(tmp_path / "tok", {"bos_token": "<s>"})
     _jsonl(tmp_path / "in.jsonl", ["alpha"])
-    rc = prep.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output", str(tmp_path / "ds")])
+    rc = cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output", str(tmp_path / "ds")])
     assert rc == 2
     assert "tokenizer_config.json has no eos_token: it is needed to end every document" in capsys.readouterr().err
     assert not IndexedDataset.exists(str(tmp_path / "ds"))

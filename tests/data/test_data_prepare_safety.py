@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import data.prepare as prep
-from errors import ExitCode
 from data.indexed import open_indexed
+from data.prepare import cli, tokenizing
+from errors import ExitCode
 from tests.helpers import unwritable_output
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,14 +51,14 @@ def one_error_line(err: str) -> str:
 
 def hook_first_batch(monkeypatch, action):
     """Run `action()` once, while the run tokenizes its first batch (between start and commit)."""
-    real, done = prep.encode_batch, []
+    real, done = tokenizing.encode_batch, []
 
     def encode(batch):
         if not done:
             done.append(action())
         return real(batch)
 
-    monkeypatch.setattr(prep, "encode_batch", encode)
+    monkeypatch.setattr(tokenizing, "encode_batch", encode)
     return done
 
 
@@ -79,7 +79,7 @@ def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
                               cwd=REPO, capture_output=True, text=True, timeout=300)
 
     seen = hook_first_batch(monkeypatch, second)
-    assert prep.main(args([mine], tiny_tokenizer, out, "--batch-bytes", "200")) == 0
+    assert cli.main(args([mine], tiny_tokenizer, out, "--batch-bytes", "200")) == 0
     proc = seen[0]
     assert proc.returncode == ExitCode.IN_USE, proc.stdout + proc.stderr
     line = one_error_line(proc.stderr)
@@ -88,7 +88,7 @@ def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
     assert sorted(p.name for p in out.parent.iterdir()) == ["web.bin", "web.idx", "web.json"]
 
     capsys.readouterr()
-    assert prep.main(args([theirs], tiny_tokenizer, out)) == 2  # after: "output exists"
+    assert cli.main(args([theirs], tiny_tokenizer, out)) == 2  # after: "output exists"
     assert "refusing to overwrite" in one_error_line(capsys.readouterr().err)
     assert decoded(out, tiny_tokenizer) == TEXTS
 
@@ -101,7 +101,7 @@ def test_an_output_that_appears_before_the_commit_is_never_replaced(
     --overwrite replaces it, as asked."""
     out = tmp_path / "o" / "web"
     other = tmp_path / "other" / "web"
-    assert prep.main(args([jsonl(tmp_path / "b.jsonl", OTHER)], tiny_tokenizer, other)) == 0
+    assert cli.main(args([jsonl(tmp_path / "b.jsonl", OTHER)], tiny_tokenizer, other)) == 0
     capsys.readouterr()
 
     def land():  # what a finished writer's commit does: renames into place
@@ -109,8 +109,8 @@ def test_an_output_that_appears_before_the_commit_is_never_replaced(
             os.replace(f"{other}{ext}", f"{out}{ext}")
 
     hook_first_batch(monkeypatch, land)
-    rc = prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out,
-                        "--batch-bytes", "200", *(["--overwrite"] if overwrite else [])))
+    rc = cli.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out,
+                       "--batch-bytes", "200", *(["--overwrite"] if overwrite else [])))
     names = sorted(p.name for p in out.parent.iterdir())
     assert names == ["web.bin", "web.idx", "web.json"]  # no temporaries, no lock file
     if overwrite:
@@ -129,7 +129,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
     out = tmp_path / "o" / "web"
     out.parent.mkdir()
     (os.symlink if link == "symlink" else os.link)(victim, f"{out}.lock")
-    assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
+    assert cli.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
         ExitCode.IN_USE
     assert f"{out}.lock" in one_error_line(capsys.readouterr().err)
     assert victim.read_text() == "precious"
@@ -154,10 +154,10 @@ IDX_LENGTHS = 34  # megatron's .idx: 9-byte magic, version, dtype code, two coun
 def test_check_catches_one_flipped_byte(tmp_path, tiny_tokenizer, capsys, where):
     corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
     web, code = tmp_path / "web", tmp_path / "code_shard0"
-    assert prep.main(args([corpus], tiny_tokenizer, web)) == 0
-    assert prep.main(args([corpus], tiny_tokenizer, tmp_path / "code", "--shard", "0/1")) == 0
+    assert cli.main(args([corpus], tiny_tokenizer, web)) == 0
+    assert cli.main(args([corpus], tiny_tokenizer, tmp_path / "code", "--shard", "0/1")) == 0
     capsys.readouterr()
-    assert prep.main(["--check", str(web), str(tmp_path / "code")]) == 0
+    assert cli.main(["--check", str(web), str(tmp_path / "code")]) == 0
     capsys.readouterr()
     for prefix in (web, code):
         n = json.loads(Path(f"{prefix}.json").read_text())["documents"]
@@ -165,7 +165,7 @@ def test_check_catches_one_flipped_byte(tmp_path, tiny_tokenizer, capsys, where)
             flip(f"{prefix}.bin", os.path.getsize(f"{prefix}.bin") // 2)
         else:
             flip(f"{prefix}.idx", IDX_LENGTHS + (4 * n if where == "idx_pointers" else 0) + 1)
-    assert prep.main(["--check", str(web), str(tmp_path / "code")]) == 3
+    assert cli.main(["--check", str(web), str(tmp_path / "code")]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2, err
     for prefix in (web, code):
@@ -182,18 +182,18 @@ def test_check_catches_one_flipped_byte(tmp_path, tiny_tokenizer, capsys, where)
 def test_check_without_recorded_checksums_says_so_and_still_checks_the_lengths(
         tmp_path, tiny_tokenizer, capsys):
     web = tmp_path / "web"
-    assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, web)) == 0
+    assert cli.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, web)) == 0
     sidecar = Path(f"{web}.json")
     meta = json.loads(sidecar.read_text())
     meta.pop("checksums", None)  # a dataset made before checksums were recorded
     sidecar.write_text(json.dumps(meta))
     capsys.readouterr()
-    assert prep.main(["--check", str(web)]) == 0
+    assert cli.main(["--check", str(web)]) == 0
     captured = capsys.readouterr()
     assert f"warning: {web}: no checksum recorded" in captured.err
     assert "1 dataset(s) without checksums" in captured.out
     flip(f"{web}.idx", IDX_LENGTHS + 1)
-    assert prep.main(["--check", str(web)]) == 3
+    assert cli.main(["--check", str(web)]) == 3
     assert "its .idx lengths add up to" in capsys.readouterr().err
 
 
@@ -212,7 +212,7 @@ def test_a_damaged_gzip_input_is_one_line_naming_the_file_and_the_offset(
     else:  # one flipped byte in the last 4 bytes' size field: the stream ends in a bad trailer
         gz.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
     out = tmp_path / "o" / "web"
-    assert prep.main(args([gz], tiny_tokenizer, out)) == ExitCode.BAD_INPUT
+    assert cli.main(args([gz], tiny_tokenizer, out)) == ExitCode.BAD_INPUT
     line = one_error_line(capsys.readouterr().err)
     assert f"{gz}: " in line and "byte" in line and "no output written" in line
     assert not out.parent.exists() or not list(out.parent.iterdir())
@@ -224,7 +224,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_8(tmp_path, tiny_
     out = unwritable_output(where, tmp_path, "nvfp4-data") / "web"
     corpus = jsonl(tmp_path / "a.jsonl", TEXTS)
     before = files_under(tmp_path)
-    assert prep.main(args([corpus], tiny_tokenizer, out)) == ExitCode.UNWRITABLE
+    assert cli.main(args([corpus], tiny_tokenizer, out)) == ExitCode.UNWRITABLE
     assert f"--output {out} cannot be written" in one_error_line(capsys.readouterr().err)
     assert files_under(tmp_path) == before
 
@@ -240,7 +240,7 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tmp_path, tiny_token
 
     monkeypatch.setattr(IndexedWriter, "add_document", full)
     out = tmp_path / "o" / "web"
-    assert prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
+    assert cli.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out)) == \
         ExitCode.UNWRITABLE
     assert "No space left on device" in one_error_line(capsys.readouterr().err)
     assert not list(out.parent.iterdir())
@@ -254,9 +254,9 @@ def test_sigterm_while_tokenizing_exits_143_and_leaves_nothing(tmp_path, tiny_to
 
     out = tmp_path / "o" / "web"
     hook_first_batch(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
-    rc = prep.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out,
-                        "--batch-bytes", "200"))
+    rc = cli.main(args([jsonl(tmp_path / "a.jsonl", TEXTS)], tiny_tokenizer, out,
+                       "--batch-bytes", "200"))
     assert rc == ExitCode.TERMINATED == 143
     assert "terminated (SIGTERM): no output written" in one_error_line(capsys.readouterr().err)
     assert not out.parent.exists() or not list(out.parent.iterdir())
-    assert signal.getsignal(signal.SIGTERM) is not prep._on_sigterm  # the handler was restored
+    assert signal.getsignal(signal.SIGTERM) is not cli._on_sigterm  # the handler was restored

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data.prepare as prep
 from data.indexed import open_indexed
+from data.prepare import cli
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "launch" / "prepare.sbatch"
@@ -104,7 +104,7 @@ def test_array_shards_equal_one_process_and_a_killed_task_is_redone_alone(slurm,
     for i in (0, 2):
         assert shards[i].with_suffix(".idx").exists(), log(i)
     capsys.readouterr()
-    assert prep.main(["--check", str(out)]) == 3
+    assert cli.main(["--check", str(out)]) == 3
     assert f"error: {shards[1]}: " in capsys.readouterr().err
     kept = {i: os.stat(f"{shards[i]}.bin") for i in (0, 2)}
 
@@ -118,12 +118,12 @@ def test_array_shards_equal_one_process_and_a_killed_task_is_redone_alone(slurm,
         assert (now.st_ino, now.st_mtime_ns) == (kept[i].st_ino, kept[i].st_mtime_ns)
     assert "data.prepare -> " in relog(1), relog(1)
     assert not list(out.parent.glob("*.tmp-*"))
-    assert prep.main(["--check", str(out)]) == 0
+    assert cli.main(["--check", str(out)]) == 0
     check = capsys.readouterr().out
 
     # the shards, in order, are exactly what one process makes of the same inputs
     single = tmp_path / "single" / "web"
-    assert prep.main([str(corpus), "--tokenizer", tiny_tokenizer, "--output", str(single), "--no-progress"]) == 0
+    assert cli.main([str(corpus), "--tokenizer", tiny_tokenizer, "--output", str(single), "--no-progress"]) == 0
     whole, parts = _tokens([single]), _tokens(shards)
     assert len(whole) == len(parts) and all(np.array_equal(a, b) for a, b in zip(whole, parts))
     total = json.loads(Path(f"{single}.json").read_text())["tokens"]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-import data.prepare as prep
 from data.indexed import open_indexed
+from data.prepare import cli
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -46,7 +46,7 @@ def documents(prefix):
 
 
 def prepare(inputs, tok, output, *extra):
-    return prep.main([*map(str, inputs), "--tokenizer", tok, "--output", str(output), "--no-progress", *extra])
+    return cli.main([*map(str, inputs), "--tokenizer", tok, "--output", str(output), "--no-progress", *extra])
 
 
 def shards_of(out, n):
@@ -142,28 +142,28 @@ def test_check_counts_tokens_and_names_each_bad_shard(tmp_path, tiny_tokenizer, 
         assert prepare([corpus], tiny_tokenizer, web, "--shard", f"{i}/3") == 0
     assert prepare([corpus / "part0.jsonl"], tiny_tokenizer, code, "--shard", "0/1") == 0
     capsys.readouterr()
-    assert prep.main(["--check", str(web), str(code)]) == 0
+    assert cli.main(["--check", str(web), str(code)]) == 0
     out = capsys.readouterr().out
     tokens = [json.load(open(p + ".json"))["tokens"] for p in shards_of(web, 3)]
     assert "│ web      │    3/3 │" in out and f"{sum(tokens):,}" in out and "all shards complete" in out
 
     os.unlink(f"{web}_shard1.idx")  # a task killed between the renames
     os.truncate(f"{web}_shard2.bin", 10)  # a shard cut short
-    assert prep.main(["--check", str(web)]) == 3
+    assert cli.main(["--check", str(web)]) == 3
     err = capsys.readouterr().err
     assert f"error: {web}_shard1: incomplete: .idx missing" in err
     assert f"error: {web}_shard2: its .bin is 10 bytes, expected" in err
     for ext in (".bin", ".idx", ".json"):
         if os.path.exists(f"{web}_shard1{ext}"):
             os.unlink(f"{web}_shard1{ext}")
-    assert prep.main(["--check", str(web)]) == 3
+    assert cli.main(["--check", str(web)]) == 3
     assert f"error: {web}_shard1: missing (shard 1/3 never completed" in capsys.readouterr().err
 
     other = tmp_path / "other.json"
     train_bpe_tokenizer(["something else entirely"] * 30, 280).save(str(other))
     assert prepare([corpus], str(other), web, "--shard", "1/3") == 0
     assert prepare([corpus], tiny_tokenizer, web, "--shard", "2/3", "--overwrite") == 0
-    assert prep.main(["--check", str(web)]) == 2
+    assert cli.main(["--check", str(web)]) == 2
     assert f"error: {web}_shard1: made with tokenizer {other}" in capsys.readouterr().err
 
 
@@ -246,7 +246,7 @@ def test_an_empty_shard_is_complete_and_left_out_of_the_glob(tmp_path, tiny_toke
         assert prepare([tmp_path / "f*.jsonl.gz"], tiny_tokenizer, tmp_path / "web", "--shard", f"{i}/3") == 0
     metas = [json.load(open(p + ".json")) for p in shards_of(tmp_path / "web", 3)]
     assert sorted(m["documents"] for m in metas) == [0, 100, 100]
-    assert prep.main(["--check", str(tmp_path / "web")]) == 0
+    assert cli.main(["--check", str(tmp_path / "web")]) == 0
     bundle = build(glob_config(tmp_path, tiny_tokenizer, [str(tmp_path / "web_shard*")]))
     assert len(bundle.train.sources) == 2
 
