@@ -21,6 +21,7 @@ from data.config import (
     uses_demo,
     validate_config,
 )
+from data.demo import ensure_demo_corpus
 from data.indexed import mcore, open_indexed, quiet_megatron_logs, read_sidecar
 from data.interleave import to_fraction
 from data.schedule import PhaseSchedule, Source
@@ -147,8 +148,6 @@ def _prepare_demo(cfg: DataConfig, dp_rank: int, show_progress: bool,
     it while the others wait in ``barrier``, then they open it."""
     if not uses_demo(cfg):
         return None
-    from data.demo import ensure_demo_corpus
-
     cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
     rank = _global_rank(dp_rank)
     if rank == 0:

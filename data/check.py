@@ -28,6 +28,7 @@ import numpy as np
 
 from errors import ExitCode
 
+from data.indexed import file_sha256, mcore, quiet_megatron_logs
 from data.shards import dataset_problem, find_shards, read_json, shard_info, shard_prefix
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -60,8 +61,6 @@ def index_problem(prefix: str, meta: Dict) -> Optional[str]:
 
 def _lengths_problem(prefix: str, dtype: np.dtype, bin_size: int) -> Optional[str]:
     """The .idx read by megatron's own reader, against the .bin: lengths, pointers, token type."""
-    from data.indexed import mcore, quiet_megatron_logs
-
     try:
         with quiet_megatron_logs():
             index = mcore().IndexReader(prefix + ".idx", multimodal=False)
@@ -107,8 +106,6 @@ def checksum_problem(prefix: str, meta: Dict, digests: Dict[str, str]) -> Option
 
 
 def _digests(prefix: str) -> Dict[str, str]:
-    from data.indexed import file_sha256
-
     return {ext: file_sha256(f"{prefix}.{ext}") for ext in ("bin", "idx")}
 
 

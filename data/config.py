@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional
 from errors import ConfigError, ExitCode
 from field_ranges import at_least, check_fields, is_number, within
 
+from data.shards import dataset_problem, glob_prefixes, is_glob, missing_shards, read_json
+
 DEMO_PREFIX = "demo:"
 DEMO_CATEGORIES = ("prose", "code", "math")
 DEMO_DATASETS = DEMO_CATEGORIES + tuple(f"{c}_val" for c in DEMO_CATEGORIES)
@@ -276,8 +278,6 @@ def expand_prefix(key: str, prefix: str, demo_dir: Optional[str] = None) -> List
     order. A glob is validated here (MissingDataError naming the key and the bad match): it matches
     something, every match is complete (.bin, .idx and sidecar), and no shard of a split that a
     match belongs to is missing. Matches without documents (empty shards) are dropped."""
-    from data.shards import dataset_problem, glob_prefixes, is_glob, missing_shards, read_json
-
     if prefix.startswith(DEMO_PREFIX) or not is_glob(prefix):
         return [resolve_prefix(prefix, demo_dir)]
     matches = glob_prefixes(prefix)

@@ -36,9 +36,13 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
+import tokenizers
+
+from atomic_files import remove_dead_temporaries, writer_tag
 
 from data import demo_snapshot
 from data.config import DEMO_CATEGORIES, DemoConfig
+from data.indexed import mcore, quiet_megatron_logs, token_dtype
 from data.tokenizer import EOD_TOKEN, eod_id, train_bpe_tokenizer
 
 FORMAT_VERSION = 1
@@ -134,8 +138,6 @@ def raw_documents(cfg: DemoConfig) -> Dict[str, List[str]]:
 
 
 def corpus_key(cfg: DemoConfig, docs: Dict[str, List[str]]) -> str:
-    import tokenizers
-
     h = hashlib.sha256()
     h.update(json.dumps({"format": FORMAT_VERSION, "settings": asdict(cfg),
                          "tokenizers": tokenizers.__version__}, sort_keys=True).encode())
@@ -170,8 +172,6 @@ def ensure_demo_corpus(cache_dir: str, cfg: Optional[DemoConfig] = None, show_pr
     if os.path.isfile(os.path.join(final, "manifest.json")):
         return _load(final, key, built=False)
     os.makedirs(cache_dir, exist_ok=True)
-    from atomic_files import remove_dead_temporaries, writer_tag
-
     remove_dead_temporaries(os.path.join(glob.escape(cache_dir), ".tmp-demo-*"))  # killed builds
     tmp = os.path.join(cache_dir, f".tmp-demo-{key}-{writer_tag()}")
     try:
@@ -197,8 +197,6 @@ def _load(path: str, key: str, built: bool) -> DemoCorpus:
 
 
 def _build(out: str, key: str, cfg: DemoConfig, docs: Dict[str, List[str]], show_progress: bool) -> None:
-    from data.indexed import mcore, quiet_megatron_logs, token_dtype
-
     t0 = time.time()
     os.makedirs(out)
     splits = {cat: split_train_val(docs[cat], cfg.val_fraction) for cat in DEMO_CATEGORIES}

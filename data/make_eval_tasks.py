@@ -35,7 +35,7 @@ from pathlib import Path
 
 
 def load(file: str, **_metadata):
-    import datasets
+    import datasets  # optional and heavy (lm-eval's): loaded only when lm-eval reads a task
 
     path = str(Path(__file__).resolve().parent / file)
     return datasets.DatasetDict({"test": datasets.Dataset.from_json(path)})

@@ -216,11 +216,11 @@ def test_dataset_from_another_tokenizer_is_refused(tmp_path, tiny_tokenizer):
 
 def test_non_zero_rank_waits_for_rank_zero(demo_corpus):
     """Rank != 0 enters the barrier before touching the demo cache; rank 0 after preparing it."""
-    import data.demo as demo
+    import data.build as build  # where build_data looks ensure_demo_corpus up
 
     cache, _ = demo_corpus
     events = []
-    real = demo.ensure_demo_corpus
+    real = build.ensure_demo_corpus
 
     def ensure(*a, **k):
         events.append("ensure")
@@ -228,7 +228,7 @@ def test_non_zero_rank_waits_for_rank_zero(demo_corpus):
 
     import unittest.mock as um
 
-    with um.patch.object(demo, "ensure_demo_corpus", ensure):
+    with um.patch.object(build, "ensure_demo_corpus", ensure):
         for rank in (0, 1):
             events.append(f"rank{rank}")
             build_data(demo_config(cache), seq_length=64, micro_batch_size=2, global_batch_size=8,
