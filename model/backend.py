@@ -20,9 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from nvfp4_recipe.megatron.te_mapping import probe_te_support
 from nvfp4_recipe.policy import PrecisionConfig
 
 from .device import Hardware, probe_hardware
+from .mamba_mixer import (KERNEL_PACKAGES, fused_conv1d_probe, mamba_kernels,
+                          mamba_ssm_package_imports)
 
 SPECS = ("auto", "portable", "te")
 SPEC_OF_BACKEND = {"te": "te", "emulated": "portable"}  # TE layers do their own GEMMs
@@ -157,8 +160,6 @@ def fused_conv1d_usable(wrapped: Optional[bool], causal_conv1d_version: Optional
 def fused_conv1d_loads() -> bool:
     """On a CUDA run where mamba_ssm imports: causal_conv1d imports, and mamba_ssm's fused kernel
     can call it (`fused_conv1d_usable`). The backend choice and build_model both ask this."""
-    from .mamba_mixer import fused_conv1d_probe, mamba_kernels
-
     return ("causal_conv1d_fn" in mamba_kernels(cuda=True)
             and fused_conv1d_usable(*fused_conv1d_probe()))
 
@@ -166,10 +167,6 @@ def fused_conv1d_loads() -> bool:
 def probe_machine(precision: PrecisionConfig, hardware: Hardware) -> Machine:
     """What the run's device offers `select_backend` (imports TE and the Mamba kernels on a CUDA
     run; never raises)."""
-    from nvfp4_recipe.megatron.te_mapping import probe_te_support
-
-    from .mamba_mixer import KERNEL_PACKAGES, mamba_kernels, mamba_ssm_package_imports
-
     capability = hardware.cuda_capability
     packages = {KERNEL_PACKAGES[name] for name in mamba_kernels(hardware.cuda)}
     mamba_ssm = hardware.cuda and mamba_ssm_package_imports()

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .recompute import checkpointed_chunks
+
 GIB = 2**30
 BYTES_ACTIVATION = 2  # BF16 activations
 BYTES_LOGITS = 6  # BF16 logits + the FP32 copy the vocab-parallel cross entropy keeps
@@ -168,8 +170,6 @@ def stage_activation_bytes(layer_bytes: list[int], input_bytes: int, recompute) 
     "recompute_peak": the most alive while a checkpointed chunk's backward runs (0 without
     full recompute)}. `layer_bytes[i]`: layer i's full activations; `input_bytes`: one layer
     input (what a checkpointed chunk keeps)."""
-    from .recompute import checkpointed_chunks
-
     kept, peak = 0, 0
     for start, end, checkpointed in checkpointed_chunks(len(layer_bytes), recompute):
         full = sum(layer_bytes[start:end])

@@ -136,6 +136,7 @@ def te_layer_spec(decision: LayerPrecision, model: ModelConfig) -> ModuleSpec:
     """
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
+    # deferred: megatron's MambaMixer needs triton and a built mamba_ssm at import (the TE spec only)
     from .te_mamba_mixer import MambaMixerWithConfigEps
 
     stack = mamba_stack_spec.submodules

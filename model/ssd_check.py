@@ -52,6 +52,7 @@ import torch.nn.functional as F
 import compat
 from errors import ExitCode
 from model.device import cuda_present
+from model.ssd import ssd_chunk_scan
 
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}  # relative L2; reasons in the docstring
 GRADS = ("x", "dt", "A", "B", "C", "D", "dt_bias")
@@ -164,8 +165,6 @@ def _triton_call(fn: Callable) -> Callable:
 
 
 def _pytorch_call(x, dt, A, B, C, chunk, D, dt_bias, dt_softplus):
-    from model.ssd import ssd_chunk_scan
-
     return ssd_chunk_scan(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus)
 
 
