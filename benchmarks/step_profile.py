@@ -78,14 +78,14 @@ def _demo_setup(variant: str, ctx, hidden_size: int | None):
     cfg = demo_model_config(hidden_size)
     fmt, overrides, recompute = VARIANTS[variant]
     precision = dataclasses.replace(PrecisionConfig(name=fmt, format=fmt), **overrides)
-    core = build_model(cfg, precision, vocab_size=cfg.vocab_size, backend="emulated",
-                       params_dtype=PARAMS_DTYPE, recompute=RecomputeConfig(recompute)).module
-    model, optimizer = build_data_parallel_model(core, TrainerConfig(), ctx)
+    built = build_model(cfg, precision, vocab_size=cfg.vocab_size, backend="emulated",
+                        params_dtype=PARAMS_DTYPE, recompute=RecomputeConfig(recompute))
+    model, optimizer = build_data_parallel_model(built.module, TrainerConfig(), ctx)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
     batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(4, 256)}
                for t in tokens.split(4)]
-    return core, model, optimizer, batches, cfg.hidden_size
+    return built.linears, model, optimizer, batches, cfg.hidden_size
 
 
 class _TalliedGemms:
@@ -102,13 +102,13 @@ class _TalliedGemms:
         return self.mode if self.mode is not None else self.gemm.context()
 
 
-def _step(core, model, optimizer, batches, hidden, ctx, gemm, timer: PartTimer) -> None:
-    from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
+def _step(linears, model, optimizer, batches, hidden, ctx, gemm, timer: PartTimer) -> None:
     from training.schedules import run_micro_batches
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    refresh_quantized_weights(modules_with_weight_cache(core))
+    for held in linears:  # what the precision controller does before each step
+        held.linear.refresh_weight_cache()
     run_micro_batches(model, batches, ctx, (256, 4, hidden), gemm=gemm)
     with timer.region("step/grad_clip"):
         optimizer.prepare_grads()

@@ -27,7 +27,7 @@ in a part of its own after the compile warm-up.
   warmed up, then a 1-micro-batch and a 2-micro-batch step, both with diagnostics on, under
   `torch.cuda.set_sync_debug_mode("warn")`. The synchronizing calls per micro-batch are what the
   second step makes beyond the first, by line (per_micro_batch_syncs): per-step reads (the
-  controller's one read of the diagnostics, nvfp4_recipe/megatron/controller.py `.tolist()`,
+  controller's one read of the diagnostics, training/precision.py `.tolist()`,
   the optimizer's) are the same in both and drop out. FAILS if one per micro-batch comes from
   this project's code. Then the emulated linear alone, forward and backward, under mode
   "error": it must not raise.
@@ -104,7 +104,7 @@ def ours(lines: dict[str, int]) -> dict[str, int]:
 
 
 # The read the step must make once with diagnostics on: it proves the recording worked.
-PER_STEP_READ = "nvfp4_recipe/megatron/controller.py:"
+PER_STEP_READ = "training/precision.py:"
 
 
 def sync_verdict(one_micro_batch, two_micro_batches) -> tuple[bool, dict, dict, str]:
@@ -167,7 +167,7 @@ def check_sync(out: dict) -> bool:
     from model.build import build_model
     from model.config import ModelConfig
     from nvfp4_recipe import NVFP4Config, quantized_linear
-    from nvfp4_recipe.megatron.controller import PrecisionController
+    from training.precision import PrecisionController
     from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
     from training.distributed import init_distributed

@@ -11,8 +11,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import compat
-from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
-from nvfp4_recipe.megatron.te_runtime import te_layer_context, te_linear_context
+from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
+from nvfp4_recipe.policy import (LayerPrecision, PrecisionConfig, PrecisionPolicy,
+                                 RuntimePrecisionState)
+from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, te_layer_context, te_linear_context
 
 from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
 from .config import ModelConfig, precision_policy  # noqa: F401  (re-exported)
@@ -31,6 +33,9 @@ class BuiltModel:
     # the build's device-dependent decisions, for the start-up line: Mamba scan, Wgrad fusion,
     # where the weights were initialised
     paths: str = ""
+    # every linear of the policy this rank holds, in pattern order, each with its format: what
+    # the run's per-step precision steers (nvfp4_recipe/linear_protocol.py)
+    linears: list[HeldLinear] = dataclasses.field(default_factory=list)
 
 
 def gradient_accumulation_fusion(backend: str, main_grads: bool, apex_fused_wgrad: bool) -> tuple[str, str]:
@@ -232,7 +237,28 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     paths = (f"Mamba: {scan}; {fusion_why}; weights initialised on the "
              f"{'CPU' if use_cpu_initialization(cuda) else 'GPU'}")
     return BuiltModel(module=module, policy=policy, runtime_state=state, backend=backend,
-                      spec=spec_family, paths=paths)
+                      spec=spec_family, paths=paths,
+                      linears=held_linears(module.decoder, decisions, policy.linear_names,
+                                           te=spec_family == "te"))
+
+
+def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
+                 linear_names: dict[str, tuple[str, ...]], te: bool) -> list[HeldLinear]:
+    """The policy's linears among this pipeline stage's layers, named as the policy names them
+    (`layers.<pattern index>.<module name>`): the emulated linears are their own PrecisionLinear,
+    TE's are adapted (te_runtime.TEPrecisionLinear)."""
+    held = []
+    for local, layer in enumerate(stack.layers):
+        decision = decisions[stack.layer_offset + local]
+        for name in linear_names.get(decision.kind, ()):
+            module = layer.get_submodule(name)
+            linear = TEPrecisionLinear(module) if te else module
+            if not isinstance(linear, PrecisionLinear):
+                raise TypeError(f"layers.{decision.index}.{name} is a {type(module).__name__}, "
+                                "not a linear the precision controller can steer")
+            held.append(HeldLinear(f"layers.{decision.index}.{name}",
+                                   decision.linear_format(name), linear))
+    return held
 
 
 def _fused_conv1d(backend: str) -> bool:

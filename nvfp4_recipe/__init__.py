@@ -4,8 +4,10 @@ format registry (registry.py: each format's config, emulated ops, TE recipe, dev
 the precision policy (policy.py: the `precision` config and each linear's format); how each
 format quantizes each GEMM operand (operands.py). Also the rules of the GEMM preflight
 (gemm_support.py: which shapes each backend takes; training/preflight.py applies them), the fused
-kernels (kernels.py), quantization diagnostics (diagnostics.py) and the GEMM compute policy
-(compute.py: BF16 GEMMs in FP32 where a CPU has no BF16 instructions).
+kernels (kernels.py), quantization diagnostics (diagnostics.py), the GEMM compute policy
+(compute.py: BF16 GEMMs in FP32 where a CPU has no BF16 instructions), and what the run's
+per-step precision may ask of a linear (linear_protocol.py: its diagnostics, its input amax, the
+refresh of its quantized weights).
 
 Imports inside the package go one way: formats <- the quantizers <- operands <- registry <- linear
 <- diagnostics, and registry <- policy (tests/test_layering.py).

@@ -39,8 +39,8 @@ def quantization_error_tensors(
     x: torch.Tensor, config: QuantConfig, role: Role = "activation"
 ) -> dict[str, torch.Tensor]:
     """quantization_error_stats as 0-d FP32 tensors on x's device, computed without a host sync:
-    a caller that records many layers reads them all at once (nvfp4_recipe/megatron/controller.py
-    reads a step's diagnostics with one `.tolist()`), instead of ~5 syncs per role per linear."""
+    a caller that records many layers reads them all at once (training/precision.py reads a
+    step's diagnostics with one `.tolist()`), instead of ~5 syncs per role per linear."""
     with torch.no_grad():
         x_hat = quantize_dequantize(x, config, role)
         x32 = x.detach().float()

@@ -19,7 +19,6 @@ from compat import seed_model_parallel_rng
 from errors import ConfigError, ExitCode, ProjectError
 from data import build_data
 from model.build import build_model, choose_backend
-from nvfp4_recipe.megatron.controller import PrecisionController, diagnostics_summary
 
 from . import checkpoint as ckpt
 from . import run_dir as run_dir_lib
@@ -33,6 +32,7 @@ from .grad_health import GradHealth
 from .lr_schedule import WSDScheduler
 from .metrics import (MetricsSink, check_wandb_online, data_line, grad_health_line, render,
                       start_wandb, status_line)
+from .precision import PrecisionController, diagnostics_summary
 from .preflight import run_preflight
 from .schedules import run_micro_batches
 from .signals import StopSignal
@@ -282,7 +282,7 @@ class Trainer:
 
         return ProjectLM(self.model, run_tokenizer(self.cfg.data), self.ctx,
                          hidden_size=self.cfg.model.hidden_size,
-                         # as training.evaluate: the same scores in the loop and afterwards
+                         # as tools.evaluate: the same scores in the loop and afterwards
                          max_length=self.cfg.model.max_sequence_length,
                          vocab_size=self.cfg.model.vocab_size,
                          batch_size=self.cfg.evaluation.batch_size, gemm=self.gemm,

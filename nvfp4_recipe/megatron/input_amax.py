@@ -3,43 +3,47 @@
 A W4A4 serving engine quantizes each linear's input with one *static* per-tensor global scale
 (compressed-tensors' `input_global_scale`, ModelOpt's `input_scale`), where training computed the
 tensor scale of every activation from its own amax (TE's current scaling). The amax the training
-saw over its last N steps is the calibration that needs no extra data: `training/hf_export.py
+saw over its last N steps is the calibration that needs no extra data: `tools/hf_export.py
 --weights nvfp4` turns it into each format's scale.
 
 How it is recorded, without a host sync:
-- each emulated linear (parallel_linear.py) holding a 0-d FP32 device tensor `input_amax` folds
-  `max |x|` of every GEMM input into it (training and evaluation forwards; a NaN/Inf amax counts
-  as 0, so a skipped step does not poison the window): the tensor amax NVFP4's quantizer
-  computes for the Fprop operand anyway, else (MXFP4, FP8 block, BF16 after the switch: their
-  block scales are not max |x| exactly) one aminmax pass; a recompute's rerun of the forward,
-  inside the backward, records nothing (nvfp4_recipe/linear.py, fold_input_amax);
-- `end_step` (the controller's `after_step`) moves those into one row of a (N, linears) ring on
+- each emulated linear (parallel_linear.py), handed a 0-d FP32 device tensor of the recorder's
+  (`record_input_amax`, nvfp4_recipe/linear_protocol.py), folds `max |x|` of every GEMM input
+  into it (training and evaluation forwards; a NaN/Inf amax counts as 0, so a skipped step does
+  not poison the window): the tensor amax NVFP4's quantizer computes for the Fprop operand
+  anyway, else (MXFP4, FP8 block, BF16 after the switch: their block scales are not max |x|
+  exactly) one aminmax pass; a recompute's rerun of the forward, inside the backward, records
+  nothing (nvfp4_recipe/linear.py, fold_input_amax);
+- `end_step` (the precision controller's `after_step`, training/precision.py) moves those into one row of a (N, linears) ring on
   the device and zeroes them;
 - `all_reduce` (the trainer, before each checkpoint) takes the MAX over every rank, so the table
   holds every pipeline stage's linears, the full input of row-parallel linears (each tensor-
   parallel rank sees a K-slice) and every data-parallel rank's batches; then `state_dict` goes
   into trainer.pt and `load_state_dict` restores it on resume (a checkpoint without it starts an
   empty window).
-Linears built from TE's layer spec (GPU runs) have no `input_amax` and are not recorded:
-`recorded` says which were.
+Linears built from TE's layer spec (GPU runs) cannot record (their `record_input_amax` says
+False) and are not recorded: `recorded` says which were.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from nvfp4_recipe.linear_protocol import HeldLinear
 
 
 class InputAmaxRecorder:
     """The running input amax of a model's low-precision linears (see the module docstring).
 
     `names`: every low-precision linear of the whole model, `layers.<pattern index>.<module>`
-    (the precision policy's names, the same list on every rank); `modules`: {name: module} of
-    the ones this rank holds and can record (an emulated linear)."""
+    (the precision policy's names, the same list on every rank); `linears`: those this rank
+    holds (the model builder's list; the ones not named in `names`, BF16 ones, are left alone),
+    each recording if it can."""
 
-    def __init__(self, names: list[str], modules: Mapping[str, torch.nn.Module], window: int,
+    def __init__(self, names: list[str], linears: Sequence[HeldLinear], window: int,
                  device: torch.device | str = "cpu"):
         if window < 0:
             raise ValueError(f"input amax window={window} must be >= 0 (0 = off)")
@@ -47,12 +51,15 @@ class InputAmaxRecorder:
         self.window = window
         self.steps = 0  # rows written in total; the next goes to steps % window
         columns = {n: i for i, n in enumerate(self.names)}
-        self._modules = [(columns[n], m) for n, m in modules.items() if n in columns] \
-            if window else []
-        for _, module in self._modules:
-            module.input_amax = torch.zeros((), dtype=torch.float32, device=device)
-        self._columns = torch.tensor([c for c, _ in self._modules], dtype=torch.long,
-                                     device=device)
+        self._amaxes: list[torch.Tensor] = []  # what the linears fold into, one per column below
+        recording = []
+        for held in linears if window else ():
+            if held.name in columns:
+                amax = torch.zeros((), dtype=torch.float32, device=device)
+                if held.linear.record_input_amax(amax):
+                    self._amaxes.append(amax)
+                    recording.append(columns[held.name])
+        self._columns = torch.tensor(recording, dtype=torch.long, device=device)
         self.history = torch.zeros(max(window, 1), len(self.names), dtype=torch.float32,
                                    device=device)
         self.recorded = torch.zeros(len(self.names), dtype=torch.float32, device=device)
@@ -64,10 +71,9 @@ class InputAmaxRecorder:
             return
         row = self.history[self.steps % self.window]
         row.zero_()
-        if self._modules:
-            amaxes = [m.input_amax for _, m in self._modules]
-            row.index_copy_(0, self._columns, torch.stack(amaxes))
-            torch._foreach_zero_(amaxes)
+        if self._amaxes:
+            row.index_copy_(0, self._columns, torch.stack(self._amaxes))
+            torch._foreach_zero_(self._amaxes)
         self.steps += 1
 
     def all_reduce(self, group=None) -> None:

@@ -29,10 +29,12 @@ COMPUTE_DTYPE = torch.bfloat16
 
 
 class _PrecisionLinearMixin:
-    """The GEMM of a megatron parallel linear, routed by the layer's precision decision."""
+    """The GEMM of a megatron parallel linear, routed by the layer's precision decision; a
+    `nvfp4_recipe.linear_protocol.PrecisionLinear` for the run's per-step precision."""
 
-    # A 0-d FP32 device tensor while the precision controller records this linear's running
-    # input amax (input_amax.py, the activation scales of an NVFP4 serving export); None: off.
+    # A 0-d FP32 device tensor while the input-amax recorder records this linear's running input
+    # amax (record_input_amax; input_amax.py, the activation scales of an NVFP4 serving export);
+    # None: off.
     input_amax: Optional[torch.Tensor] = None
 
     def _init_precision(self, gemm_format: str, gemm_config, runtime_state):
@@ -40,15 +42,27 @@ class _PrecisionLinearMixin:
         self.gemm_config = gemm_config
         self.runtime_state = runtime_state or RuntimePrecisionState()
         # Filled when runtime_state.collect_diagnostics is on: {"activation": {...}, ...}, 0-d
-        # device tensors that the controller reads with one host sync per step.
+        # device tensors that the controller takes (take_diagnostics) and reads with one host
+        # sync per step.
         self.diagnostics: dict[str, dict[str, torch.Tensor]] = {}
-        # TE's protocol for its quantized-weight cache, which the trainer already drives
-        # (te_runtime.refresh_quantized_weights sets True at the start of every step and
-        # evaluation): True -> quantize the weight and keep it, False -> reuse it, None (the
-        # default, outside the trainer) -> quantize at every call.
+        # TE's flag for its quantized-weight cache (refresh_weight_cache sets True at the start
+        # of every step and evaluation): True -> quantize the weight and keep it, False -> reuse
+        # it, None (the default, outside the trainer) -> quantize at every call.
         self.is_first_microbatch: Optional[bool] = None
         self.weight_cache = WeightOperandCache()
         self._partial_config = None  # ((forward, backward), config) after a partial switch
+
+    # -- the PrecisionLinear protocol (nvfp4_recipe/linear_protocol.py) --------------------
+    def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
+        taken, self.diagnostics = self.diagnostics, {}
+        return taken
+
+    def record_input_amax(self, into: torch.Tensor) -> bool:
+        self.input_amax = into
+        return True
+
+    def refresh_weight_cache(self) -> None:
+        self.is_first_microbatch = True
 
     def _active_gemm_config(self):
         """The config for this call, after the in-run switch to BF16 (None = plain BF16)."""

@@ -11,15 +11,18 @@
   (module/linear.py:433-434), so wrapping one linear's forward is enough. A BF16 linear inside a
   low-precision layer runs under `autocast(enabled=False)`, as megatron-core forces BF16 for one
   module (mc 0.16.1 extensions/transformer_engine.py:205-215, 669-678).
-- When TE's cached quantized weights are refreshed (`refresh_quantized_weights`). TE quantizes a
-  weight when `is_first_microbatch` is True and reuses that copy while it is False
+- When TE's cached quantized weights are refreshed (`TEPrecisionLinear.refresh_weight_cache`).
+  TE quantizes a weight when `is_first_microbatch` is True and reuses that copy while it is False
   (TE `module/linear.py:253-260`, `module/base.py:1378-1446`, v2.8). megatron's TE wrappers set
   the flag to False after each call (`extensions/transformer_engine.py:672-678, 893-900`, core
   0.16.1), and only `MegatronModule.set_is_first_microbatch` sets it back, and only when
   `config.fp8`/`fp4` is set (`transformer/module.py:105-121`), which this project does not use:
-  without a reset every step after the first would reuse step 1's quantized weights. We set it on
-  every module that has it, before every training step and every evaluation: quantized once per
-  step, reused by that step's micro-batches, never across steps.
+  without a reset every step after the first would reuse step 1's quantized weights. The
+  precision controller sets it on every linear of the policy before every training step and
+  every evaluation: quantized once per step, reused by that step's micro-batches, never across
+  steps. On the BF16 linears too: with `fuse_wgrad_accumulation` the flag also decides whether a
+  micro-batch's Wgrad overwrites the main grad (True) or accumulates into it (module/linear.py:
+  822-824, v2.8).
 """
 
 from __future__ import annotations
@@ -93,13 +96,20 @@ def te_linear_context(layer_format: str, linear_format: str, state: RuntimePreci
     return context
 
 
-def modules_with_weight_cache(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every module whose quantized-weight cache is keyed by `is_first_microbatch`: TE's linears
-    and the emulated ones (parallel_linear.py, this package), which follow the same protocol."""
-    return [m for m in model.modules() if hasattr(m, "is_first_microbatch")]
+class TEPrecisionLinear:
+    """A megatron TE linear wrapper (TELinear, TELayerNormColumnParallelLinear, ...) as a
+    `nvfp4_recipe.linear_protocol.PrecisionLinear`. TE's linears record no diagnostics and no
+    input amax (input_amax.py); their quantized-weight cache is refreshed through TE's own flag
+    (see the module docstring)."""
 
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
 
-def refresh_quantized_weights(modules: list[torch.nn.Module]) -> None:
-    """Start of a step or an evaluation: the next forward quantizes the current weights."""
-    for module in modules:
-        module.is_first_microbatch = True
+    def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {}
+
+    def record_input_amax(self, into: torch.Tensor) -> bool:
+        return False
+
+    def refresh_weight_cache(self) -> None:
+        self.module.is_first_microbatch = True

@@ -22,7 +22,6 @@ from helpers import model_full_tensors  # noqa: E402
 from model import hf, hf_nvfp4  # noqa: E402
 from model.build import build_model, precision_policy  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from nvfp4_recipe.megatron.controller import low_precision_linears  # noqa: E402
 from nvfp4_recipe.megatron.input_amax import (InputAmaxRecorder,  # noqa: E402
                                               running_input_amax)
 from nvfp4_recipe.nvfp4 import nvfp4_scaled_values, quantize_nvfp4, tensor_scales  # noqa: E402
@@ -60,7 +59,8 @@ def trained(parallel_context):
     built = build_model(TINY, precision(), vocab_size=VOCAB, backend="emulated",
                         params_dtype=torch.bfloat16)
     model = built.module.eval()
-    recorder = InputAmaxRecorder(*low_precision_linears(model, built.policy), 4)
+    names = [n for n, fmt in built.policy.linear_formats().items() if fmt != "bf16"]
+    recorder = InputAmaxRecorder(names, built.linears, 4)
     with torch.no_grad():
         for step in range(2):
             model(torch.randint(0, VOCAB, (2, 32)), None, None)

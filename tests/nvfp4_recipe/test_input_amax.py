@@ -4,11 +4,19 @@ an NVFP4 serving export's activation scales come from."""
 import torch
 
 from nvfp4_recipe.linear import fold_input_amax
+from nvfp4_recipe.linear_protocol import HeldLinear
 from nvfp4_recipe.megatron.input_amax import InputAmaxRecorder, running_input_amax
+from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear
 
 
 class Linear(torch.nn.Module):
-    input_amax = None  # as parallel_linear's emulated linears declare it
+    """An emulated linear as the recorder sees it (parallel_linear.py's record_input_amax)."""
+
+    input_amax = None
+
+    def record_input_amax(self, into):
+        self.input_amax = into
+        return True
 
     def forward(self, x):
         fold_input_amax(self.input_amax, x)
@@ -17,8 +25,13 @@ class Linear(torch.nn.Module):
 
 def recorder(window=3):
     mods = {"layers.1.mlp.linear_fc1": Linear(), "layers.2.mixer.in_proj": Linear()}
-    names = ["layers.1.mlp.linear_fc1", "layers.2.mixer.in_proj", "layers.3.mixer.in_proj"]
-    return InputAmaxRecorder(names, mods, window), mods
+    names = ["layers.1.mlp.linear_fc1", "layers.2.mixer.in_proj", "layers.3.mixer.in_proj",
+             "layers.4.mixer.in_proj"]
+    held = [HeldLinear(n, "nvfp4", m) for n, m in mods.items()]
+    held.append(HeldLinear("layers.4.mixer.in_proj", "nvfp4",  # TE's: cannot record
+                           TEPrecisionLinear(torch.nn.Linear(1, 1))))
+    held.append(HeldLinear("layers.5.mixer.in_proj", "bf16", Linear()))  # not a column
+    return InputAmaxRecorder(names, held, window), mods
 
 
 def test_a_window_of_per_step_maxima_non_finite_ignored():
@@ -30,7 +43,8 @@ def test_a_window_of_per_step_maxima_non_finite_ignored():
         in_proj(torch.tensor([-(step + 1.0)]))
         rec.end_step()
     amax, steps = running_input_amax(rec.state_dict())
-    # The last 3 steps: 5.0 has left the window; layers.3 is not held here: not recorded.
+    # The last 3 steps: 5.0 has left the window; layers.3 is not held here and layers.4 is TE's:
+    # not recorded.
     assert steps == 3 and amax == {"layers.1.mlp.linear_fc1": 3.0, "layers.2.mixer.in_proj": 4.0}
     assert float(fc1.input_amax) == 0.0  # zeroed for the next step
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_recipe.megatron.te_runtime import (check_te_switch, modules_with_weight_cache,
-                                              refresh_quantized_weights, te_layer_recipe)
+from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
+from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, check_te_switch, te_layer_recipe
 from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
 
 RECIPE = object()  # stands for NVFP4BlockScaling(...)
@@ -190,15 +190,19 @@ class FakeTEWrapper(torch.nn.Module):
 
 
 def test_weights_are_quantized_once_per_step_never_reused_across_steps():
-    model = torch.nn.Sequential(FakeTEWrapper(), torch.nn.Linear(2, 2), FakeTEWrapper())
-    caches = modules_with_weight_cache(model)
-    assert caches == [model[0], model[2]]
+    modules = [FakeTEWrapper(), FakeTEWrapper()]
+    linears = [TEPrecisionLinear(m) for m in modules]
+    assert all(isinstance(linear, PrecisionLinear) for linear in linears)
     for step in range(3):
-        refresh_quantized_weights(caches)
+        for linear in linears:
+            linear.refresh_weight_cache()
         for _micro_batch in range(4):
-            for m in caches:
+            for m in modules:
                 m(None, step)
-    assert all(m.quantized_at == [0, 1, 2] for m in caches)  # once per step, every step
+    assert all(m.quantized_at == [0, 1, 2] for m in modules)  # once per step, every step
+    # TE's linears record neither diagnostics nor the input amax.
+    assert linears[0].take_diagnostics() == {}
+    assert not linears[0].record_input_amax(torch.zeros(()))
 
 
 def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
@@ -207,7 +211,8 @@ def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
     trainer = make_trainer("trainer.max_steps=1", "trainer.eval_every=1")
     fake = FakeTEWrapper()
     trainer.core.add_module("fake_te_linear", fake)
-    trainer.precision.weight_caches = modules_with_weight_cache(trainer.core)
+    trainer.precision.linears = [*trainer.precision.linears,
+                                 HeldLinear("layers.0.fake", "nvfp4", TEPrecisionLinear(fake))]
     fake.is_first_microbatch = False
     trainer.train_step(trainer.data.train.next_global_batch())
     assert fake.is_first_microbatch is True

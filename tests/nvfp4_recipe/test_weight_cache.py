@@ -1,7 +1,8 @@
 """Each weight quantized once per step, not per micro-batch, as TE does (`is_first_microbatch`).
 
-The emulated linears follow TE's protocol, which the trainer already drives: it sets
-`is_first_microbatch = True` on every such module at the start of a step and of an evaluation.
+The emulated linears follow TE's flag, which the precision controller drives through each
+linear's `refresh_weight_cache` (`is_first_microbatch = True`) at the start of a step and of an
+evaluation.
 The first micro-batch then quantizes the weight (its Fprop operand, and its Dgrad operand in the
 backward) and the others reuse the copies; a step never sees the previous step's weights.
 """
@@ -14,7 +15,6 @@ import torch
 from nvfp4_recipe import NVFP4Config, quantized_linear
 from nvfp4_recipe.linear import WeightOperandCache
 from nvfp4_recipe.operands import _NVFP4Ops
-from nvfp4_recipe.megatron.te_runtime import modules_with_weight_cache, refresh_quantized_weights
 
 
 def _count_weight_quantizations(monkeypatch):
@@ -95,17 +95,18 @@ def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(
 
     def train(cached: bool):
         torch.manual_seed(0)
-        core = build_model(ModelConfig(vocab_size=256), PrecisionConfig(name="nvfp4",
-                           format="nvfp4"), vocab_size=256, backend="emulated",
-                           params_dtype=PARAMS_DTYPE).module
+        built = build_model(ModelConfig(vocab_size=256), PrecisionConfig(name="nvfp4",
+                            format="nvfp4"), vocab_size=256, backend="emulated",
+                            params_dtype=PARAMS_DTYPE)
+        core = built.module
         model, optimizer = build_data_parallel_model(core, TrainerConfig(lr=1e-2), parallel_context)
-        modules = modules_with_weight_cache(core)
-        assert len(modules) == 18  # every layer's two linears (BF16 ones quantize nothing)
+        assert len(built.linears) == 18  # every layer's two linears (BF16 ones quantize nothing)
         losses, counts = [], []
         torch.manual_seed(5)
         for _ in range(2):
-            if cached:
-                refresh_quantized_weights(modules)  # what PrecisionController.before_step does
+            if cached:  # what PrecisionController.before_step does
+                for held in built.linears:
+                    held.linear.refresh_weight_cache()
             model.zero_grad_buffer()
             optimizer.zero_grad()
             calls.update(fprop=0, dgrad=0)
@@ -143,7 +144,7 @@ def test_partial_switch_to_bf16_keeps_the_cached_weight(parallel_context, monkey
 
     def step():
         calls.update(fprop=0, dgrad=0)
-        refresh_quantized_weights([linear])
+        linear.refresh_weight_cache()
         for x in xs:
             linear(x)[0].float().square().sum().backward()
         return dict(calls)

@@ -1,18 +1,28 @@
-"""The run-time precision of a built model: what the trainer calls around each optimizer step and
+"""The run's precision, step by step: what the trainer calls around each optimizer step and
 evaluation, so that the trainer knows nothing about formats.
 
 - `before_step`: the late switch to BF16 once its share of the run's tokens is consumed (flips
-  the `RuntimePrecisionState` every low-precision linear reads per call), the refresh of the
-  quantized-weight caches (te_runtime.refresh_quantized_weights), and the quantization
-  diagnostics switched on when due.
-- `after_step`: the diagnostics switched off and collected, as `quant/<layer>/<role>/<stat>`
-  metrics.
+  the `RuntimePrecisionState` every linear reads per call), the refresh of the quantized-weight
+  caches, and the quantization diagnostics switched on when due.
+- `after_step`: the step's input amaxes into the recorder's window; the diagnostics switched off
+  and collected, as `quant/<layer>/<role>/<stat>` metrics.
 - `before_evaluation`: the caches refreshed, so evaluation sees the last step's weights.
 
 When to switch is a pure function (`switch_due`); when to measure, the cadence its caller gives
-(`diagnostics_due`: the trainer's `Every(precision.diagnostics_every)`). Nothing
-needs checkpointing: the switch is a function of the consumed tokens, decided again at the first
-step after a resume (which records the `switch_to_bf16` event again).
+(`diagnostics_due`: the trainer's `Every(precision.diagnostics_every)`). Nothing else needs
+checkpointing than the input-amax window (trainer.pt): the switch is a function of the consumed
+tokens, decided again at the first step after a resume (which records the `switch_to_bf16`
+event again).
+
+Why here, in `training`, and not in `nvfp4_recipe`: this is the run's per-step policy (its
+cadence, its events in metrics.jsonl, its state in checkpoints), over the linears of one built
+model (`model.build.BuiltModel.linears`: each with its policy name, format, and the
+`nvfp4_recipe.linear_protocol.PrecisionLinear` it is steered through). What extends it lives at
+this layer too: a per-layer fallback NVFP4 -> MXFP8 -> BF16 from underflow statistics reduced
+over the ranks, applied at step boundaries and recorded in checkpoints, needs the run's process
+groups, its checkpoint and its metrics; MoE adds linears to the builder's list. `nvfp4_recipe`
+keeps the numerics, the policy (which format each linear gets), the protocol and its two
+implementations (emulated and TE), and the input-amax recorder the serving export reads.
 """
 
 from __future__ import annotations
@@ -21,10 +31,9 @@ from typing import Any, Callable
 
 import torch
 
+from model.build import BuiltModel
+from nvfp4_recipe.megatron.input_amax import InputAmaxRecorder
 from nvfp4_recipe.policy import PrecisionConfig, describe_kernels, low_precision_formats
-
-from .input_amax import InputAmaxRecorder
-from .te_runtime import modules_with_weight_cache, refresh_quantized_weights
 
 
 def switch_due(precision: PrecisionConfig, consumed_tokens: int, total_tokens: int) -> bool:
@@ -36,26 +45,27 @@ def switch_due(precision: PrecisionConfig, consumed_tokens: int, total_tokens: i
 
 
 class PrecisionController:
-    """The precision of one built model (model.build.BuiltModel) as the run goes.
+    """The precision of one built model as the run goes.
 
     `step` in the hooks is the number of optimizer steps done before the one they surround (the
     trainer's counter), as the events of metrics.jsonl number them."""
 
-    def __init__(self, precision: PrecisionConfig, built, tokens_per_step: int,
+    def __init__(self, precision: PrecisionConfig, built: BuiltModel, tokens_per_step: int,
                  total_tokens: int, diagnostics_due: Callable[[int], bool] = lambda step: False):
         """`diagnostics_due(step)`: whether optimizer step `step` (from 1) measures the
         quantization error, the cadence the caller owns (the trainer's: every
         precision.diagnostics_every steps); never by default (an evaluation)."""
         self.precision = precision
         self.diagnostics_due = diagnostics_due
-        self.model: torch.nn.Module = built.module
         self.policy = built.policy
         self.state = built.runtime_state
         self.tokens_per_step, self.total_tokens = tokens_per_step, total_tokens
-        self.weight_caches = modules_with_weight_cache(self.model)  # TE's quantized weights
-        # The running input amax of the low-precision linears (saved in checkpoints).
-        self.input_amax = InputAmaxRecorder(*low_precision_linears(self.model, self.policy),
-                                            precision.input_amax_steps, _device_of(self.model))
+        self.linears = built.linears  # this rank's, BF16 ones included (linear_protocol.py)
+        # The running input amax of the low-precision linears (saved in checkpoints); its columns
+        # are every rank's, the same list everywhere.
+        names = [name for name, fmt in self.policy.linear_formats().items() if fmt != "bf16"]
+        self.input_amax = InputAmaxRecorder(names, self.linears, precision.input_amax_steps,
+                                            _device_of(built.module))
 
     @property
     def quantizes(self) -> bool:
@@ -84,7 +94,7 @@ class PrecisionController:
             passes = self.precision.switch_to_bf16.passes
             self.state.switched_passes = passes
             events.append(("switch_to_bf16", {"passes": passes, "consumed_tokens": consumed}))
-        refresh_quantized_weights(self.weight_caches)
+        self._refresh_weight_caches()
         # Diagnostics, when due, record each linear's last micro-batch.
         self.state.collect_diagnostics = self.diagnostics_due(step + 1)
         return events
@@ -96,39 +106,22 @@ class PrecisionController:
             return {}
         self.state.collect_diagnostics = False
         keys, values = [], []
-        for name, module in self.model.named_modules():
-            for role, stats in getattr(module, "diagnostics", {}).items():
+        for held in self.linears:
+            for role, stats in held.linear.take_diagnostics().items():
                 for stat, value in stats.items():
-                    keys.append(f"quant/{name.removeprefix('decoder.')}/{role}/{stat}")
+                    keys.append(f"quant/{held.name}/{role}/{stat}")
                     values.append(torch.as_tensor(value, dtype=torch.float32))
-            if hasattr(module, "diagnostics"):
-                module.diagnostics = {}
         if not values:
             return {}
         # The linears' statistics stay on the device until here: one host sync for all of them.
         return dict(zip(keys, torch.stack([v.to(values[0].device) for v in values]).tolist()))
 
     def before_evaluation(self) -> None:
-        refresh_quantized_weights(self.weight_caches)  # the weights the last step produced
+        self._refresh_weight_caches()  # the weights the last step produced
 
-
-def low_precision_linears(model: torch.nn.Module, policy) -> tuple[list[str], dict]:
-    """(every low-precision linear's name in the whole model, {name: module} of those this rank
-    holds and records), names as the policy gives them: `layers.<pattern index>.<module name>`."""
-    formats = policy.linear_formats() if hasattr(policy, "linear_formats") else {}
-    names = [name for name, fmt in formats.items() if fmt != "bf16"]
-    decoder = getattr(model, "decoder", None)
-    offset = getattr(decoder, "layer_offset", 0)  # the first layer of this pipeline stage
-    held = {}
-    for local, layer in enumerate(getattr(decoder, "layers", None) or []):
-        index = offset + local
-        for name in policy.linear_names.get(policy.layer_kinds[index], ()):
-            key = f"layers.{index}.{name}"
-            module = layer.get_submodule(name)
-            # Emulated linears record (parallel_linear.py); TE's do not (input_amax.py).
-            if formats.get(key, "bf16") != "bf16" and hasattr(type(module), "input_amax"):
-                held[key] = module
-    return names, held
+    def _refresh_weight_caches(self) -> None:
+        for held in self.linears:
+            held.linear.refresh_weight_cache()
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
