@@ -161,7 +161,7 @@ def test_a_value_error_outside_the_config_checks_of_the_start_up_is_a_bug(
     def broken_preflight(*args, **kwargs):
         raise ValueError("a bug in the preflight")
 
-    monkeypatch.setattr("training.preflight.run_preflight", broken_preflight)
+    monkeypatch.setattr("training.entry.run_preflight", broken_preflight)  # where _start_up looks it up
     register_configs()
     with initialize_config_dir(str(REPO / "recipes"), version_base=None):
         raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}",

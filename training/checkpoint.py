@@ -52,12 +52,16 @@ from typing import Any, Optional
 
 import torch
 
+from compat import cpu_dist_checkpoint_save, fully_parallel_save
 from errors import ConfigError, ExitCode, ProjectError
+from model.hf import spec_key
 
+from .ddp_optimizer import uses_megatron_ddp
 from .distributed import ParallelContext, any_rank, barrier
 from .run_dir import remove_temporary
 from .safe_load import CheckpointRefused  # noqa: F401  (raised from here, caught by the trainer)
-from .safe_load import load_weights_only
+from .safe_load import (SafeFileSystemReader, load_dist_checkpoint, load_weights_only,
+                        unwrap_checkpoint_exception, vet_extra_state)
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -316,8 +320,6 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from compat import cpu_dist_checkpoint_save, fully_parallel_save
 
     final = root / step_dir_name(step)
     tmp = _make_temporary(root, step, ctx)
@@ -652,8 +654,6 @@ def _load_pt(path: Path) -> Any:
 
 
 def _mismatch_message(exc: BaseException) -> str:
-    from .safe_load import unwrap_checkpoint_exception
-
     cause = unwrap_checkpoint_exception(exc)
     text = str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)
     first = text.strip().splitlines()[0] if text.strip() else type(cause).__name__
@@ -667,8 +667,6 @@ def _saved_spec(path: Path, manifest: dict) -> str:
     checkpoint written before it recorded one, "te" when a TE fused pre-norm key is stored."""
     if manifest.get("spec") in ("portable", "te"):
         return manifest["spec"]
-    from .safe_load import SafeFileSystemReader
-
     keys = SafeFileSystemReader(path / "dist").read_metadata().state_dict_metadata
     return "te" if any(".layer_norm_" in key for key in keys) else "portable"
 
@@ -679,8 +677,6 @@ def _in_spec(sharded: dict, spec: str) -> dict:
     per spec family) is not requested: each layer keeps its fresh one."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    from model.hf import spec_key
 
     sharded = {**sharded, "model": {k: v for k, v in sharded["model"].items()
                                     if not (isinstance(v, ShardedObject)
@@ -702,9 +698,6 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
     """
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from .ddp_optimizer import uses_megatron_ddp
-    from .safe_load import load_dist_checkpoint, vet_extra_state
 
     manifest = json.loads((path / MANIFEST).read_text())
     saved_format = manifest.get("optimizer_format", optimizer_format)

@@ -21,11 +21,13 @@ from data.config import DataConfig, check_files_exist, check_runnable
 from errors import ConfigError
 from field_ranges import above, at_least, check_fields, within
 from model.config import ModelConfig, precision_policy
+from model.hf import check_init_from
 from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
 from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers
 
 from .distributed import DEFAULT_TIMEOUT_MINUTES, data_parallel_size
+from .init_from import check_run_init, is_run_dir
 from .plan import PlanConfig
 
 
@@ -240,10 +242,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     directory) or a RunDirError (a run directory); a dry run plans without the data files."""
     check_across_groups(cfg, world_size)
     if cfg.model.init_from is not None:
-        from model.hf import check_init_from
-
-        from .init_from import check_run_init, is_run_dir
-
         check_init_from(cfg.model)  # a Hugging Face directory: config.json and the file list
         if is_run_dir(cfg.model.init_from):  # its shape and a usable checkpoint, read-only
             check_run_init(cfg.model)

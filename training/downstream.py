@@ -19,9 +19,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
+from data.demo import ensure_demo_corpus
+from data.tokenizer import load_tokenizer_spec
 from errors import ConfigError, ExitCode, MissingError, ProjectError
 
 from .cadence import Every
+from .metrics import read_metrics
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -241,12 +244,8 @@ def timed(fn, *args, **kwargs):
 
 def run_tokenizer(data_cfg):
     """The run's TokenizerSpec: data.tokenizer, or the demo corpus's (built into its cache)."""
-    from data.tokenizer import load_tokenizer_spec
-
     path = data_cfg.tokenizer
     if path is None:
-        from data.demo import ensure_demo_corpus
-
         path = ensure_demo_corpus(os.path.abspath(os.path.expanduser(data_cfg.cache_dir)),
                                   data_cfg.demo).tokenizer_path
     return load_tokenizer_spec(path)
@@ -254,8 +253,6 @@ def run_tokenizer(data_cfg):
 
 def logged_evaluation(run_dir: Path, step: int) -> bool:
     """Whether metrics.jsonl holds `eval/...` values for `step` since the last restart."""
-    from .metrics import read_metrics
-
     if not (Path(run_dir) / "metrics.jsonl").exists():
         return False
     found = False

@@ -15,10 +15,16 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from errors import ConfigError, ExitCode, ProjectError
+from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
+from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
 from . import run_dir as run_dir_lib
 from .config import TrainConfig, validate
 from .distributed import init_distributed, launched_world_size, shutdown
+from .downstream import prepare_tasks
+from .metrics import setup_logging
+from .plan import dry_run, plan_world_size
+from .preflight import run_preflight
 from .run_dir import UnsafeFile, release_run_dir
 from .signals import StopSignal
 
@@ -46,8 +52,6 @@ def _start_up(raw):
     with _config_errors():
         cfg: TrainConfig = OmegaConf.to_object(raw)
     if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
-        from .plan import plan_world_size
-
         with _config_errors():
             world = plan_world_size(cfg)
             validate(cfg, world)
@@ -56,10 +60,8 @@ def _start_up(raw):
         validate(cfg, launched_world_size())
     ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
                            timeout_minutes=cfg.parallel.timeout_minutes)
+    # deferred: model.build imports megatron (~3 s); the checks above refuse a bad config first
     from model.build import choose_backend
-    from nvfp4_recipe.megatron.te_runtime import check_te_switch
-
-    from .preflight import run_preflight
 
     with _config_errors():  # the config against this machine
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
@@ -68,8 +70,6 @@ def _start_up(raw):
             check_te_switch(cfg.precision.switch_to_bf16.passes,
                             cfg.precision.switch_to_bf16.at_fraction)
     if backend == "te":
-        from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
-
         refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
         if refusal:
             raise ConfigError(refusal)
@@ -78,8 +78,6 @@ def _start_up(raw):
     if refusal:
         raise ConfigError(refusal)
     if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
-        from .downstream import prepare_tasks
-
         prepare_tasks(list(cfg.evaluation.tasks))
     return cfg, ctx, preflight
 
@@ -96,11 +94,8 @@ def run(raw) -> int:
     try:
         cfg, ctx, preflight = _start_up(raw)
         if cfg.run.dry_run:
-            from .plan import dry_run
-
             return dry_run(cfg, ctx)
-        from .metrics import setup_logging
-        from .trainer import Trainer, prepare_run_dir
+        from .trainer import Trainer, prepare_run_dir  # deferred: megatron, as in _start_up
 
         prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .cadence import Every
+from .ddp_optimizer import BufferedDataParallel
 
 OTHER = "other"  # a parameter outside the known groups (none in this model)
 
@@ -170,8 +171,6 @@ class GradHealth:
 def _owned_ranges(model, optimizer) -> Optional[dict[int, tuple[int, int]]]:
     """With the distributed optimizer over several data-parallel ranks: {id(param): the range of
     its flattened gradient this rank holds reduced}; None when every rank holds all of it."""
-    from .ddp_optimizer import BufferedDataParallel
-
     if isinstance(model, BufferedDataParallel):  # the CPU twin
         if not (model.use_distributed_optimizer and model.dp_size > 1):
             return None

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from model.hf import WEIGHT_SHAPE_FIELDS
+from model.hf import WEIGHT_SHAPE_FIELDS, load_full_tensors, refuse_non_finite
+
+from .run_reader import RunDirError, pick_checkpoint, read_checkpoint_weights, read_run
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -33,8 +35,6 @@ def check_run_init(cfg: ModelConfig) -> Path:
     """model.init_from's run: its model shape against `cfg` and its newest intact checkpoint;
     raises RunDirError (exit 2) naming every mismatched field, or the missing checkpoint. Nothing
     is written. Returns the checkpoint."""
-    from .run_reader import RunDirError, pick_checkpoint, read_run
-
     run_dir = Path(cfg.init_from).expanduser()
     try:
         theirs = read_run(run_dir).model
@@ -53,10 +53,6 @@ def check_run_init(cfg: ModelConfig) -> Path:
 def load_run_weights(module: torch.nn.Module, cfg: ModelConfig) -> None:
     """This rank's part of `module` (freshly built, any TP/PP, either spec) from the newest
     intact checkpoint of the run directory model.init_from names."""
-    from model.hf import load_full_tensors, refuse_non_finite
-
-    from .run_reader import RunDirError, read_checkpoint_weights
-
     checkpoint = check_run_init(cfg)
     weights = read_checkpoint_weights(checkpoint)
 

@@ -68,6 +68,7 @@ from typing import Any, Optional
 from atomic_files import write_text_atomically
 from errors import ExitCode
 from field_ranges import above, at_least, check_fields, within
+from model.config import LINEAR_NAMES
 from model.flops import flops_per_token_terms, gemm_weights
 from model.memory_model import (
     BYTES_ACTIVATION,
@@ -81,6 +82,8 @@ from model.memory_model import (
     sharded_param_ids,
     stage_activation_bytes,
 )
+from model.recompute import RecomputeConfig
+from nvfp4_recipe.policy import describe_precision_map
 
 from .preflight import preflight, preflight_backends, probe_device
 
@@ -157,8 +160,6 @@ def plan_world_size(cfg) -> int:
 
 def recompute_config_of(trainer):
     """The trainer's recompute setting as a validated RecomputeConfig."""
-    from model.recompute import RecomputeConfig
-
     rc = RecomputeConfig(getattr(trainer, "recompute", "none"),
                          getattr(trainer, "recompute_method", "uniform"),
                          getattr(trainer, "recompute_layers", 1))
@@ -179,6 +180,8 @@ def _build_meta(cfg, vocab_padded: int):
     import torch
     from megatron.core import parallel_state
 
+    # deferred: model.build imports megatron (~3 s), and training.config imports this module: a
+    # refused start exits before megatron loads
     from model.build import build_model
 
     if parallel_state.model_parallel_is_initialized() and (
@@ -194,7 +197,7 @@ def _build_meta(cfg, vocab_padded: int):
 
 
 def _plan_backend(cfg, plan: PlanConfig) -> tuple[str, str]:
-    from model.build import choose_backend
+    from model.build import choose_backend  # deferred: megatron, as in _build_meta
 
     if plan.backend is not None:
         if plan.backend not in BACKENDS:
@@ -264,8 +267,6 @@ class _Parameters:
 def _count_parameters(built, m, tensor: int, vocab_padded: int) -> _Parameters:
     """Counts the built model's parameters, and checks that every built linear has the format
     the precision policy chose and that the FLOP model sees the GEMMs that were built."""
-    from model.config import LINEAR_NAMES
-
     module = built.module
     sharded = sharded_param_ids(module)
     decisions = built.policy.layers()
@@ -428,7 +429,7 @@ def _time(cfg, plan: PlanConfig, layout: _Layout, flops_per_token: float) -> dic
 def build_plan(cfg, plan: Optional[PlanConfig] = None) -> dict[str, Any]:
     """The plan of a TrainConfig as the plan.json dictionary (needs megatron's parallel state
     initialised with tensor = pipeline = 1)."""
-    from model.build import padded_vocab_size
+    from model.build import padded_vocab_size  # deferred: megatron, as in _build_meta
 
     plan = plan or plan_config_of(cfg)
     m = cfg.model
@@ -492,8 +493,6 @@ def _short(name: str) -> str:
 def print_plan(plan: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from nvfp4_recipe.policy import describe_precision_map
 
     console = console or Console()
     table = Table(title=f"layers ({plan['pattern']})", show_lines=False)

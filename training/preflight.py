@@ -8,13 +8,16 @@ machine's GPU and TE release against the known-bad table. The trainer runs it at
 
 from __future__ import annotations
 
+from model.device import probe_hardware
+from nvfp4_recipe.gemm_support import (CANDIDATE_TENSOR_SIZES, DeviceSetting, Linear, Report,
+                                       Setting, check_linears, known_bad_hits, layout_verdicts)
+from nvfp4_recipe.policy import low_precision_formats
+
 
 def preflight_backends(precision, model_spec: str) -> tuple[str, ...]:
     """The GEMM backends a run of this config may use (the dry run checks each): TE where the
     config lets it (`auto`: TE on Blackwell, the emulation elsewhere), never for MXFP4 (TE has no
     MXFP4 recipe, so such a run is emulated)."""
-    from nvfp4_recipe.policy import low_precision_formats
-
     if precision.backend == "emulated" or model_spec == "portable":
         return ("emulated",)
     if precision.backend == "te" or model_spec == "te":
@@ -27,10 +30,6 @@ def probe_device(cfg, activation_dtype: str = "bf16", hardware=None):
     and Transformer Engine release for the known-bad table (None on a CPU run). Reads TE's
     version from its package metadata: nothing is imported."""
     import importlib.metadata
-
-    from model.device import probe_hardware
-    from nvfp4_recipe.policy import low_precision_formats
-    from nvfp4_recipe.gemm_support import DeviceSetting
 
     hardware = hardware or probe_hardware()
     if not hardware.cuda:
@@ -55,9 +54,8 @@ def preflight(cfg, backends, device=None):
     same at each candidate tensor size (which layouts are clean); `device` against the known-bad
     table where TE is among the backends. Raises ValueError for a bad precision key (an override
     pattern that matches nothing)."""
-    from nvfp4_recipe.gemm_support import (CANDIDATE_TENSOR_SIZES, Linear, Report, Setting,
-                                        check_linears, known_bad_hits, layout_verdicts)
-
+    # deferred: model.build and model.specs import megatron (~3 s), and training.config imports
+    # this module (through training.plan): a refused start exits before megatron loads
     from model.build import precision_policy
     from model.specs import layout_problems, linear_shapes
 

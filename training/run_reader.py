@@ -19,9 +19,11 @@ from typing import Optional
 
 import torch
 
+from data.config import DemoConfig
 from errors import ConfigError, ExitCode
 from model.config import ModelConfig
 from model.hf import _MODEL_KEY_PREFIXES, canonical_key
+from nvfp4_recipe.policy import PrecisionConfig
 
 
 class RunDirError(ConfigError):
@@ -43,9 +45,6 @@ def read_run(run_dir: Path) -> RunFiles:
     """The model and tokenizer settings a run was trained with (its config.yaml)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from data.config import DemoConfig
-    from nvfp4_recipe.policy import PrecisionConfig
 
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
@@ -74,6 +73,8 @@ def read_run(run_dir: Path) -> RunFiles:
 
 def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
     """checkpoints/step_N (verified against its manifest), or the newest intact one."""
+    # deferred: training.checkpoint imports megatron (~3 s), and training.config reaches this
+    # module (model.init_from): a refused start exits before megatron loads
     from . import checkpoint as ckpt
 
     root = run_dir / "checkpoints"
@@ -105,6 +106,7 @@ def read_checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    # deferred: megatron, as in pick_checkpoint
     from .safe_load import CheckpointRefused, SafeFileSystemReader, unwrap_checkpoint_exception
 
     reader = SafeFileSystemReader(checkpoint / "dist")

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
+from compat import cpu_fully_parallel_load, fully_parallel_load
 from errors import ExitCode, ProjectError
 
 
@@ -324,8 +325,6 @@ def load_dist_checkpoint(sharded_state_dict, checkpoint_dir: Union[str, Path], *
     group's ranks share (the model weights) and receives the rest from the rank that read it,
     instead of every rank reading everything (compat item 7; `cuda`: the run's device)."""
     from megatron.core import dist_checkpointing
-
-    from compat import cpu_fully_parallel_load, fully_parallel_load
 
     vet_pickled_objects(checkpoint_dir)
     kwargs = strategies()
