@@ -53,7 +53,3 @@ class HeldLinear:
     name: str  # the policy's name: `layers.<pattern index>.<module name>`
     format: str  # the format the policy gave it ("bf16" or a low-precision format)
     linear: PrecisionLinear
-
-    @property
-    def low_precision(self) -> bool:
-        return self.format != "bf16"
