@@ -148,7 +148,7 @@ def precision_at(built, files, checkpoint, run_dir: Path):
     BF16 is evaluated in BF16), its weight caches refreshed from the loaded weights."""
     from omegaconf import OmegaConf
 
-    from nvfp4_recipe.megatron.controller import PrecisionController
+    from training.precision import PrecisionController
 
     from training import checkpoint as ckpt
 

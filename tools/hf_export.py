@@ -204,7 +204,7 @@ def weights_only_linears(amax: dict[str, float], steps: int, formats: dict[str, 
 def _switched_to_bf16(files: RunFiles, checkpoint: Path) -> Optional[float]:
     """The share of the run's tokens after which its forward ran in BF16, if the checkpoint
     is past it (precision.switch_to_bf16), else None."""
-    from nvfp4_recipe.megatron.controller import switch_due
+    from training.precision import switch_due
 
     switch = files.precision.switch_to_bf16
     if switch.at_fraction is None or files.total_tokens is None:

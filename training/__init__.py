@@ -6,7 +6,9 @@ preflight. The offline commands over finished runs (the HF export, evaluate) are
   schema, each group checking its own fields, and `validate` across groups), schedules (forward
   and backward over a step's micro-batches), ddp_optimizer (BF16 weights, FP32 grads and master
   weights, data parallelism), lr_schedule (the WSD schedule), validation (the validation loss),
-  cadence (`Every`: when each part of the loop is due), distributed, grad_health, metrics.
+  cadence (`Every`: when each part of the loop is due), precision (the run's per-step precision:
+  the switch to BF16, diagnostics, weight-cache refresh, input amax), distributed, grad_health,
+  metrics.
 - checkpoint, safe_load (atomic, verified checkpoints, loaded without running code from them),
   run_reader (a finished run read back: its config.yaml, a verified checkpoint, the model's full
   tensors; for init_from and tools/), run_dir (one trainer per run directory: its lock, its safe
