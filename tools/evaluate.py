@@ -31,8 +31,18 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from compat import quiet_cpu_fallback_warnings
+from data.demo import ensure_demo_corpus
+from data.tokenizer import load_tokenizer_spec
 from errors import ConfigError, ExitCode, MissingError, ProjectError
+from model.hf import load_full_tensors
+from model.memory_model import pipeline_stages
+from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
+from training.ddp_optimizer import PARAMS_DTYPE
+from training.distributed import init_distributed, shutdown
+from training.downstream import evaluate, flat_metrics, prepare_tasks, summary_line, timed
 from training.run_dir import check_output_file, write_output_file
+from training.run_reader import RunDirError, pick_checkpoint, read_checkpoint_weights, read_run
 
 log = logging.getLogger("nvfp4_pretrain")
 
@@ -92,13 +102,8 @@ def check_args(args) -> list[str]:
 def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
                last_stage_layers=None):
     """(built model on this rank with the checkpoint's weights, run files, checkpoint path)."""
-    from data.demo import ensure_demo_corpus
-    from data.tokenizer import load_tokenizer_spec
+    # deferred: model.build imports megatron (~3 s); main refuses bad arguments and tasks first
     from model.build import build_model, choose_backend
-    from model.hf import load_full_tensors
-    from model.memory_model import pipeline_stages
-    from training.ddp_optimizer import PARAMS_DTYPE
-    from training.run_reader import RunDirError, pick_checkpoint, read_checkpoint_weights, read_run
 
     files = read_run(run_dir)  # RunDirError: a ProjectError with its own code
     checkpoint = pick_checkpoint(run_dir, step)
@@ -118,8 +123,6 @@ def load_model(run_dir: Path, step: Optional[int], ctx, first_stage_layers=None,
         raise MissingError(f"the run's tokenizer: {exc}") from None
     backend, _ = choose_backend(files.precision, files.model.spec, ctx.hardware)
     if backend == "te":  # as train.py's start-up: TE would evaluate another recipe
-        from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
-
         refusal = te_environment_refusal(os.environ, te_formats(files.precision))
         if refusal:
             raise ConfigError(refusal)
@@ -148,8 +151,8 @@ def precision_at(built, files, checkpoint, run_dir: Path):
     BF16 is evaluated in BF16), its weight caches refreshed from the loaded weights."""
     from omegaconf import OmegaConf
 
+    # deferred: both import megatron (~3 s), as model.build in load_model
     from training.precision import PrecisionController
-
     from training import checkpoint as ckpt
 
     step = ckpt.named_step(checkpoint)
@@ -162,20 +165,14 @@ def precision_at(built, files, checkpoint, run_dir: Path):
 
 
 def main(argv=None) -> int:
-    from compat import quiet_cpu_fallback_warnings
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     quiet_cpu_fallback_warnings()
     args = parse_args(argv)
     ctx = None
     try:
         tasks = check_args(args)
-        from training.downstream import prepare_tasks
-
         # an unknown task (exit 2), a dataset not here offline (3): before any model is built
         manager = prepare_tasks(tasks)
-        from training.distributed import init_distributed, shutdown
-
         ctx = init_distributed(args.tensor, args.pipeline)
         return run(args, tasks, manager, ctx)
     except ProjectError as exc:
@@ -189,7 +186,8 @@ def main(argv=None) -> int:
 def run(args, tasks, manager, ctx) -> int:
     from lm_eval.utils import make_table
 
-    from training.downstream import evaluate, flat_metrics, summary_line, timed
+    # deferred: lm-eval is optional and costly to import; prepare_tasks (in main) refuses its
+    # absence with exit 3 first
     from training.lm_eval_model import ProjectLM
 
     built, files, tokenizer, checkpoint = load_model(

@@ -38,8 +38,12 @@ from typing import Optional
 import torch
 
 from compat import quiet_cpu_fallback_warnings
+from data.demo import ensure_demo_corpus
+from data.tokenizer import EOD_TOKEN
 from errors import ExitCode, ProjectError
+from model import hf_nvfp4
 from model.hf import HF_EXTRA_HINT, HFError, hf_config, not_replaceable, to_hf, write_hf_dir
+from nvfp4_recipe.megatron.input_amax import running_input_amax
 from training.run_reader import RunFiles, pick_checkpoint, read_checkpoint_weights, read_run
 
 log = logging.getLogger("nvfp4_pretrain")
@@ -49,13 +53,9 @@ def _hf_tokenizer(files: RunFiles, override: Optional[str]):
     """The run's tokenizer as a transformers tokenizer (saved with save_pretrained)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from data.tokenizer import EOD_TOKEN
-
     path = override or files.tokenizer
     key = "--tokenizer" if override else "data.tokenizer"
     if path is None:  # the demo tokenizer, found (or rebuilt, deterministically) in the cache
-        from data.demo import ensure_demo_corpus
-
         path = ensure_demo_corpus(os.path.abspath(os.path.expanduser(files.cache_dir)),
                                   files.demo).tokenizer_path
         key = "the demo tokenizer"
@@ -144,6 +144,7 @@ ZERO_AMAX = ("refuse", "weights-only")  # what --weights nvfp4 does with an unus
 def nvfp4_formats(files: RunFiles) -> dict[str, str]:
     """{`layers.<i>.<linear>`: format} of the run's precision map, refusing (exit 2) a run that
     never trained a linear in NVFP4 and one with MXFP4/FP8 linears (no serving format here)."""
+    # deferred: model.build imports megatron (~3 s); export refuses bad arguments and --output first
     from model.build import precision_policy
 
     try:
@@ -165,8 +166,6 @@ def nvfp4_formats(files: RunFiles) -> dict[str, str]:
 def recorded_input_amax(checkpoint: Path, formats: dict[str, str], weights_only: bool):
     """{linear: input amax} of the NVFP4 linears from the checkpoint's trainer.pt (None with
     --weights-only), refusing (exit 2) a checkpoint where any was not recorded."""
-    from nvfp4_recipe.megatron.input_amax import running_input_amax
-
     if weights_only:
         return None, 0
     try:
@@ -190,8 +189,6 @@ def weights_only_linears(amax: dict[str, float], steps: int, formats: dict[str, 
     """{linear: amax} of the NVFP4 linears whose recorded input amax gives no usable static input
     scale (hf_nvfp4.unusable_input_amax): refused (exit 2), one line naming each, unless
     zero_amax is "weights-only", when they are returned to be exported without an input scale."""
-    from model import hf_nvfp4
-
     bad = hf_nvfp4.unusable_input_amax(amax, formats)
     if bad and zero_amax != "weights-only":
         them = "it" if len(bad) == 1 else "them"
@@ -204,7 +201,7 @@ def weights_only_linears(amax: dict[str, float], steps: int, formats: dict[str, 
 def _switched_to_bf16(files: RunFiles, checkpoint: Path) -> Optional[float]:
     """The share of the run's tokens after which its forward ran in BF16, if the checkpoint
     is past it (precision.switch_to_bf16), else None."""
-    from training.precision import switch_due
+    from training.precision import switch_due  # deferred: megatron, as in nvfp4_formats
 
     switch = files.precision.switch_to_bf16
     if switch.at_fraction is None or files.total_tokens is None:
@@ -226,8 +223,6 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     weights="nvfp4": its NVFP4 linears as the forward quantized them, in `fmt`
     (model.hf_nvfp4.FORMATS; default compressed-tensors); `zero_amax` (ZERO_AMAX; default
     refuse): what to do with a linear whose recorded input amax gives no usable input scale."""
-    from model import hf_nvfp4
-
     run_dir, output = Path(run_dir).expanduser(), Path(output).expanduser()
     if weights not in WEIGHTS:
         raise HFError(f"--weights {weights}: choose one of {', '.join(WEIGHTS)}")

@@ -72,7 +72,7 @@ def test_evaluate_on_te_refuses_a_recipe_changed_by_the_environment(shared_runs,
     run_dir, _ = shared_runs.get(*RESUMABLE)
     monkeypatch.setenv("NVTE_NVFP4_4OVER6", "all")
     monkeypatch.setattr("model.build.choose_backend", lambda *a, **k: ("te", "stated"))
-    monkeypatch.setattr("nvfp4_recipe.megatron.te_mapping.te_formats", lambda precision: ["nvfp4"])
+    monkeypatch.setattr(evaluate, "te_formats", lambda precision: ["nvfp4"])  # load_model's name
     monkeypatch.setattr("model.build.build_model", lambda *a, **k: pytest.fail("built"))
     with pytest.raises(ConfigError, match="NVTE_NVFP4_4OVER6='all'"):
         evaluate.load_model(run_dir, None, parallel_context)
