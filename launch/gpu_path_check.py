@@ -48,8 +48,15 @@ from typing import Optional
 
 import torch
 
+from compat import seed_model_parallel_rng
 from errors import ExitCode
-from model.device import cuda_present
+from model.config import ModelConfig
+from model.device import cuda_present, probe_hardware
+from nvfp4_recipe import NVFP4Config, quantized_linear
+from nvfp4_recipe.policy import PrecisionConfig
+from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model, uses_megatron_ddp
+from training.distributed import init_distributed
+from training.schedules import run_micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("sdpa", "scan", "grad_norm", "sync")
@@ -164,17 +171,11 @@ class SyncCounter:
 def check_sync(out: dict) -> bool:
     from megatron.core.utils import get_model_config  # noqa: F401  (megatron importable)
 
+    # deferred: each needs megatron or hydra, which a bare GPU machine may lack: a section whose
+    # imports fail fails alone (main), the others still run
     from model.build import build_model
-    from model.config import ModelConfig
-    from nvfp4_recipe import NVFP4Config, quantized_linear
-    from training.precision import PrecisionController
-    from nvfp4_recipe.policy import PrecisionConfig
     from training.config import TrainerConfig
-    from training.distributed import init_distributed
-    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model, uses_megatron_ddp
-    from training.schedules import run_micro_batches
-
-    from compat import seed_model_parallel_rng
+    from training.precision import PrecisionController
 
     ctx = init_distributed(1, 1, "nccl")
     seed_model_parallel_rng(0, cuda=True)
@@ -311,7 +312,7 @@ def _attention_module(heads, groups, dim):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from model.attention import SDPACoreAttention
+    from model.attention import SDPACoreAttention  # deferred: megatron, as in check_sync
 
     config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
                                num_query_groups=groups, kv_channels=dim, attention_dropout=0.0,
@@ -369,10 +370,9 @@ def check_sdpa(out: dict, device: str = "cuda", shapes=SDPA_SHAPES) -> bool:
 
 
 def check_scan(out: dict) -> bool:
+    # deferred: megatron (model.mamba_mixer), as in check_sync
     from model.backend import probe_machine, select_backend
-    from model.device import probe_hardware
     from model.mamba_mixer import mamba_kernels_how
-    from nvfp4_recipe.policy import PrecisionConfig
 
     hardware = probe_hardware("cuda")
     precision = PrecisionConfig(name="nvfp4", format="nvfp4")
@@ -388,8 +388,6 @@ def check_scan(out: dict) -> bool:
 
 def check_grad_norm(out: dict) -> bool:
     from megatron.core.optimizer import clip_grads
-
-    from training.distributed import init_distributed
 
     init_distributed(1, 1, "nccl")  # get_grad_norm_fp32 all-reduces over its group
     gen = torch.Generator(device="cuda").manual_seed(0)
