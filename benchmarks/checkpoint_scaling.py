@@ -30,6 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from model.build import build_model
+from model.config import ModelConfig
+from nvfp4_recipe.policy import PrecisionConfig
+from training import checkpoint as ckpt
+from training import ddp_optimizer as mp
+from training.config import TrainerConfig
+from training.distributed import init_distributed, shutdown
+
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -96,8 +104,6 @@ def hashing(file_mib: int) -> None:
     import shutil
     import subprocess
 
-    from training import checkpoint as ckpt
-
     work = Path(tempfile.mkdtemp(prefix="hash-bench-"))
     size = file_mib << 20
     try:
@@ -149,14 +155,6 @@ def main() -> None:
 
     import torch
     import torch.distributed as dist
-
-    from model.build import build_model
-    from model.config import ModelConfig
-    from nvfp4_recipe.policy import PrecisionConfig
-    from training import checkpoint as ckpt
-    from training import ddp_optimizer as mp
-    from training.config import TrainerConfig
-    from training.distributed import init_distributed, shutdown
 
     ctx = init_distributed(1, 1, "gloo")
     model_cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,

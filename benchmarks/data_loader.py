@@ -26,6 +26,10 @@ from typing import Dict
 
 import numpy as np
 
+from data.config import to_data_config
+from data.demo import ensure_demo_corpus
+from data.indexed import mcore
+from data.tokenizer import train_bpe_tokenizer
 from errors import ExitCode
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "data"
@@ -42,8 +46,6 @@ def _rss_bytes() -> int:
 def _load_recipe(name: str, cache_dir: str):
     from omegaconf import OmegaConf
 
-    from data.config import to_data_config
-
     cfg = OmegaConf.load(RECIPES / f"{name}.yaml")
     cfg.cache_dir = cache_dir
     return to_data_config(cfg)
@@ -51,9 +53,6 @@ def _load_recipe(name: str, cache_dir: str):
 
 def synthesize_10t(root: str) -> None:
     """Tiny fake datasets (random tokens) at every prefix of phased_10t.yaml under DATA_ROOT=root."""
-    from data.indexed import mcore
-    from data.tokenizer import train_bpe_tokenizer
-
     os.environ["DATA_ROOT"] = root
     cfg = _load_recipe("phased_10t", os.path.join(root, "cache"))
     tok = train_bpe_tokenizer(["tiny fake corpus for the benchmark"] * 10, 300)
@@ -73,8 +72,9 @@ def synthesize_10t(root: str) -> None:
 def _measure(kind: str, cache_dir: str, data_root: str, q) -> None:
     warnings.simplefilter("ignore")
     os.environ["DATA_ROOT"] = data_root
+    # deferred: build_data loads torch (data keeps it lazy), and this function runs in a spawned
+    # process that re-imports this module: it loads it here, after DATA_ROOT and the warnings filter
     from data import build_data
-    from data.indexed import mcore
 
     mcore()
     import torch  # noqa: F401
@@ -127,10 +127,7 @@ def _in_fresh_process(kind: str, cache_dir: str, data_root: str) -> Dict:
 
 
 def throughput(cache_dir: str, seq: int, mbs: int, gbs: int, batches: int) -> Dict:
-    from data import build_data
-
-    from data.demo import ensure_demo_corpus
-    from data.indexed import mcore
+    from data import build_data  # deferred: torch, as in _measure
 
     cfg = _load_recipe("demo", cache_dir)
     t = time.perf_counter()

@@ -26,6 +26,10 @@ from typing import Dict, List
 
 from .machine import machine_summary
 
+from data.demo import ensure_demo_corpus
+from data.indexed import mcore
+from data.prepare import cli
+from data.tokenizer import train_bpe_tokenizer
 from errors import ExitCode
 
 
@@ -65,9 +69,6 @@ def write_corpus(d: Path, megabytes: float) -> Dict[str, str]:
 
 
 def tokenizers(d: Path, cache_dir: str) -> Dict[str, str]:
-    from data.demo import ensure_demo_corpus
-    from data.tokenizer import train_bpe_tokenizer
-
     demo = ensure_demo_corpus(cache_dir, show_progress=False).tokenizer_path
     big = d / "bpe131072.json"
     t0 = time.time()
@@ -94,8 +95,6 @@ def _cpu_seconds() -> float:
 
 
 def run_one(inp: str, tok: str, out: str, workers: int) -> Dict:
-    from data.prepare import cli
-
     load0 = os.getloadavg()[0]
     cpu0 = _cpu_seconds()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # only this table on stdout
@@ -115,8 +114,6 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--cache-dir", default=os.path.join(os.environ.get("NVFP4_CACHE", ".cache"), "data"))
     args = ap.parse_args(argv)
-    from data.indexed import mcore
-
     mcore()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

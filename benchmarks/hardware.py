@@ -42,7 +42,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from compat import seed_model_parallel_rng, te_autocast
+from model.config import ModelConfig
 from model.device import cuda_present, probe_hardware
+from model.flops import flops_per_token as model_flops_per_token
+from nvfp4_recipe import NVFP4Config, nvfp4_linear
+from nvfp4_recipe.linear import emulated_gemm, ops_for
+from nvfp4_recipe.megatron.te_mapping import build_te_recipe, probe_te_support
+from nvfp4_recipe.policy import PrecisionConfig
+from training.distributed import init_distributed
 
 from .machine import MachineLoad, device_info, load_average
 from .part_timer import QUANTIZE, SR_DRAWS, WGRAD_TRANSPOSE, PartTimer, step_parts
@@ -116,16 +124,10 @@ def _capability() -> tuple[int, int] | None:
 
 def te_status(fmt: str) -> tuple[bool, str]:
     """Whether the TE row of a format ("bf16", "fp8", "nvfp4") can run here, and why not."""
-    from nvfp4_recipe.policy import PrecisionConfig
-    from nvfp4_recipe.megatron.te_mapping import probe_te_support
-
     return probe_te_support(PrecisionConfig(name=fmt, format=fmt), _capability())
 
 
 def _te_recipe(fmt: str):
-    from nvfp4_recipe.policy import PrecisionConfig
-    from nvfp4_recipe.megatron.te_mapping import build_te_recipe
-
     return build_te_recipe(PrecisionConfig(name=fmt, format=fmt))
 
 
@@ -165,9 +167,6 @@ def scaled_mm_status(device: torch.device) -> tuple[bool, str]:
 
 def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warmup: int,
                 repeats: int, peak: float | None) -> list[dict[str, object]]:
-    from nvfp4_recipe import NVFP4Config, nvfp4_linear
-    from nvfp4_recipe.linear import emulated_gemm, ops_for
-
     rows: list[dict[str, object]] = []
     skip_rows: list[dict[str, object]] = []
     seen_skips: set[tuple[object, object]] = set()
@@ -278,8 +277,6 @@ def _te_linear_fn(fmt: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], ob
     """te.Linear(k, n) with our weights; forward under TE's autocast with the format's recipe."""
     import transformer_engine.pytorch as te
 
-    from compat import te_autocast
-
     layer = te.Linear(w.shape[1], w.shape[0], bias=False, params_dtype=torch.bfloat16,
                       device=x.device)
     with torch.no_grad():
@@ -300,8 +297,9 @@ def flops_per_token(cfg, seq: int, vocab: int) -> float:
     """Model FLOPs per token of a training step, for MFU: model/flops.py's count (the planner's
     too): 6 x (GEMM weights + output layer) + causal attention + the SSD scan + conv1d, with the
     output layer at the padded vocabulary the model is built with."""
+    # deferred: model.build imports megatron, which a bare GPU machine may lack: the GEMM rows run
+    # without it
     from model.build import padded_vocab_size
-    from model.flops import flops_per_token as model_flops_per_token
 
     return model_flops_per_token(cfg, seq, padded_vocab_size(vocab, cfg.vocab_multiple, 1))
 
@@ -318,17 +316,13 @@ _DIST_READY = False
 def _ensure_parallel_state():
     global _DIST_READY
     if not _DIST_READY:
-        from training.distributed import init_distributed
-
         init_distributed(1, 1, "auto")
         _DIST_READY = True
 
 
 def bench_training(model_name: str, model_cfg, micro_batch: int, seq: int, device: torch.device,
                    warmup: int, repeats: int, peak: float | None) -> list[dict[str, object]]:
-    from compat import seed_model_parallel_rng
-    from model.build import build_model, choose_backend
-    from nvfp4_recipe.policy import PrecisionConfig
+    from model.build import build_model, choose_backend  # deferred: megatron, as in flops_per_token
 
     _ensure_parallel_state()
     vocab = model_cfg.vocab_size or 4096
@@ -516,8 +510,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if not args.no_gemm:
         rows += bench_gemms(shapes, tokens, device, warmup, repeats, peak)
     if not args.no_train:
-        from model.config import ModelConfig
-
         for name in train_models:
             if name == "demo":
                 mb, seq = (2, 64) if args.quick else (4, 256)

@@ -23,9 +23,17 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from compat import seed_model_parallel_rng
 from errors import ExitCode
+from model.build import build_model
+from model.config import LAYER_SYMBOLS
 from model.memory_model import BYTES_ACTIVATION, GIB, activation_elements_per_token, stage_activation_bytes
+from model.recompute import RecomputeConfig
+from training.config import TrainConfig
+from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
+from training.distributed import ParallelContext
 from training.plan import PlanConfig, build_plan, recompute_config_of
+from training.schedules import run_micro_batches
 
 from .machine import load_average, machine_summary
 
@@ -67,8 +75,6 @@ def parse_recompute(text: str) -> tuple[str, str, int]:
     granularity = parts[0]
     method = parts[1] if len(parts) > 1 else "uniform"
     layers = int(parts[2]) if len(parts) > 2 else 1
-    from model.recompute import RecomputeConfig
-
     RecomputeConfig(granularity, method, layers).validate("--recompute")
     return granularity, method, layers
 
@@ -77,8 +83,6 @@ def measure_config(*, steps: int = 2, micro_batches: int = 2, micro_batch_size: 
                    seq_length: int = 256, hidden_size: Optional[int] = None,
                    vocab_size: int = 4096, recompute: str = "none"):
     """The TrainConfig `measure` trains (and plans): the demo shape, the BF16 recipe."""
-    from training.config import TrainConfig
-
     cfg = TrainConfig()
     cfg.model.vocab_size = vocab_size
     if hidden_size is not None:
@@ -95,9 +99,6 @@ def measure_config(*, steps: int = 2, micro_batches: int = 2, micro_batch_size: 
 
 def _build_like_trainer(cfg, vocab: int, ctx):
     """Model, data-parallel wrapper and optimizer as training/trainer.py builds them."""
-    from model.build import build_model
-    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
-
     built = build_model(cfg.model, cfg.precision, vocab_size=vocab, backend="emulated",
                         params_dtype=PARAMS_DTYPE, recompute=recompute_config_of(cfg.trainer))
     model, optimizer = build_data_parallel_model(built.module, cfg.trainer, ctx)
@@ -107,8 +108,6 @@ def _build_like_trainer(cfg, vocab: int, ctx):
 def _train(cfg, vocab: int, ctx, steps: int, micro_batches: int):
     """`steps` optimizer steps on random tokens, as Trainer.train_step runs them."""
     import torch
-
-    from training.schedules import run_micro_batches
 
     tr = cfg.trainer
     model, optimizer = _build_like_trainer(cfg, vocab, ctx)
@@ -194,9 +193,6 @@ def measure(steps: int = 2, micro_batches: int = 2, micro_batch_size: int = 4,
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from compat import seed_model_parallel_rng
-    from training.distributed import ParallelContext
 
     created = False
     if not dist.is_initialized():
@@ -321,9 +317,6 @@ def calibrated_activations_gib(result: dict, full_layers: dict,
     selective, a selective run (what each layer keeps; while a layer's backward runs its
     recomputed mixer holds the full activations again). End of forward: kept + the head's saved
     tensors + the BF16 logits alive next to their FP32 copy."""
-    from model.config import LAYER_SYMBOLS
-    from model.recompute import RecomputeConfig
-
     c = result["config"]
     kinds = [LAYER_SYMBOLS[ch] for ch in c["pattern"]]
     full = [full_layers["saved_per_layer_mib"][k] * 2**20 for k in kinds]

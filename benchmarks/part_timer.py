@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from nvfp4_recipe.registry import FORMAT_SPECS
+
 QUANTIZE = "emulation/quantize"
 GEMM = "emulation/gemm"
 WGRAD_TRANSPOSE = "emulation/wgrad_transpose_rht"
@@ -49,8 +51,6 @@ class Part:
 
 
 def _ops_class_parts() -> list[Part]:
-    from nvfp4_recipe.registry import FORMAT_SPECS
-
     return [Part(f"{spec.ops.__module__}.{spec.ops.__qualname__}", role, QUANTIZE)
             for spec in FORMAT_SPECS.values() if spec.ops is not None for role in OPERAND_ROLES]
 

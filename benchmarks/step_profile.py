@@ -33,7 +33,15 @@ from pathlib import Path
 import torch
 
 from errors import ExitCode
-from nvfp4_recipe.compute import GEMM_COMPUTE
+from model.build import build_model
+from model.config import ModelConfig
+from model.recompute import RecomputeConfig
+from nvfp4_recipe.compute import GEMM_COMPUTE, FP32Gemms
+from nvfp4_recipe.policy import PrecisionConfig
+from training.config import TrainerConfig
+from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
+from training.distributed import init_distributed, shutdown
+from training.schedules import run_micro_batches
 
 from .machine import MachineLoad, machine_summary
 from .part_timer import PartTimer
@@ -55,8 +63,6 @@ def demo_model_config(hidden_size: int | None = None):
     (and another hidden size, for a larger CPU config)."""
     from omegaconf import OmegaConf
 
-    from model.config import ModelConfig
-
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "recipes" / "model"
                                                 / "demo.yaml"))
     raw.pop("defaults", None)
@@ -68,12 +74,6 @@ def demo_model_config(hidden_size: int | None = None):
 
 
 def _demo_setup(variant: str, ctx, hidden_size: int | None):
-    from model.build import build_model
-    from model.recompute import RecomputeConfig
-    from nvfp4_recipe.policy import PrecisionConfig
-    from training.config import TrainerConfig
-    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
-
     torch.manual_seed(0)
     cfg = demo_model_config(hidden_size)
     fmt, overrides, recompute = VARIANTS[variant]
@@ -93,8 +93,6 @@ class _TalliedGemms:
     tally (GEMMs by the dtype they computed in) can be reported."""
 
     def __init__(self, gemm):
-        from nvfp4_recipe.compute import FP32Gemms
-
         self.gemm = gemm
         self.mode = FP32Gemms() if gemm.dtype == torch.float32 else None
 
@@ -103,8 +101,6 @@ class _TalliedGemms:
 
 
 def _step(linears, model, optimizer, batches, hidden, ctx, gemm, timer: PartTimer) -> None:
-    from training.schedules import run_micro_batches
-
     model.zero_grad_buffer()
     optimizer.zero_grad()
     for held in linears:  # what the precision controller does before each step
@@ -119,8 +115,6 @@ def _step(linears, model, optimizer, batches, hidden, ctx, gemm, timer: PartTime
 
 def profile(variants: list[str], steps: int, repeats: int, hidden_size: int | None = None,
             gemm_compute: str = "auto") -> dict:
-    from training.distributed import init_distributed, shutdown
-
     ctx = init_distributed(1, 1, "gloo")
     try:
         gemm = _TalliedGemms(ctx.hardware.gemm_compute(gemm_compute))
