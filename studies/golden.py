@@ -31,7 +31,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from benchmarks.machine import machine_summary
+from data.config import DEMO_DATASETS
+from data.demo import ensure_demo_corpus
+from data.indexed import open_indexed
 from errors import ExitCode
+from model.device import probe_hardware
 from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,8 +61,6 @@ def gemm_compute_here() -> str:
     """What BF16 GEMMs compute in on this CPU by default: "bf16" or "fp32" (model/device.py)."""
     import torch
 
-    from model.device import probe_hardware
-
     return "fp32" if probe_hardware("cpu").gemm_compute().dtype == torch.float32 else "bf16"
 
 
@@ -73,9 +75,6 @@ def corpus_tokens_sha256(corpus_path: str) -> str:
     import hashlib
 
     import numpy as np
-
-    from data.config import DEMO_DATASETS
-    from data.indexed import open_indexed
 
     h = hashlib.sha256()
     for name in DEMO_DATASETS:
@@ -107,8 +106,6 @@ def train(precision: str, run_dir: Path, cache_dir: Path | None = None) -> list[
 def regenerate() -> None:
     import tokenizers
     import torch
-
-    from data.demo import ensure_demo_corpus
 
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

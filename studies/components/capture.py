@@ -17,6 +17,8 @@ KINDS = list(KIND_OF.values())
 def precision_linears(core: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{`layers.<i>.<linear>`: module} of every linear whose GEMM follows a precision decision
     (the names precision.overrides and the policy use)."""
+    # deferred: megatron (~3 s); the report's modules (plots, summary) import this one, and
+    # --report-only runs without megatron
     from nvfp4_recipe.megatron.parallel_linear import _PrecisionLinearMixin
 
     out = {}
@@ -47,7 +49,7 @@ class Capture:
             module._precision_gemm = self._wrap(name, module._precision_gemm)
 
     def _wrap(self, name, gemm):
-        from nvfp4_recipe.megatron.parallel_linear import COMPUTE_DTYPE
+        from nvfp4_recipe.megatron.parallel_linear import COMPUTE_DTYPE  # deferred: as above
 
         def wrapped(x, weight, bias):
             out = gemm(x, weight, bias)

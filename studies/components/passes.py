@@ -9,6 +9,10 @@ import functools
 
 import torch
 
+from nvfp4_recipe.registry import gemm_config_for
+from training.config import register_configs
+from training.schedules import run_micro_batches
+
 from . import REPO
 from .capture import layer_index
 from .gemms import seed_for
@@ -25,8 +29,6 @@ def precision_config(name: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from training.config import register_configs
-
     register_configs()
     with initialize_config_dir(str(REPO / "recipes"), version_base=None):
         cfg = compose("train", overrides=[f"precision={name}"])
@@ -36,8 +38,9 @@ def precision_config(name: str):
 def recipe_configs(name: str, model_cfg) -> dict[str, object]:
     """{linear name: its emulated-GEMM config (None = BF16)} under recipe `name`, from the
     project's precision policy (the first/last BF16 layers, overrides)."""
+    # deferred: model.build imports megatron (~3 s); the report (summary) imports this module,
+    # and --report-only runs without megatron
     from model.build import precision_policy
-    from nvfp4_recipe.registry import gemm_config_for
 
     pcfg = precision_config(name)
     policy = precision_policy(model_cfg, pcfg)
@@ -63,8 +66,6 @@ def gemm_configs(modules: dict[str, torch.nn.Module], configs: dict[str, object]
 def loss_and_grad(trainer, batch: dict, seed: int) -> tuple[float, torch.Tensor]:
     """One micro-batch's loss and every parameter's gradient (FP32 main grads), SR drawn from
     `seed` (the trainer's global stream is restored afterwards)."""
-    from training.schedules import run_micro_batches
-
     state = torch.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -13,6 +13,8 @@ import torch
 
 from benchmarks.machine import hardware_info
 from errors import ConfigError
+from training.config import register_configs, validate
+from training.distributed import init_distributed, shutdown
 
 from . import REPO
 from .capture import Capture, kind_of, layer_index, precision_linears
@@ -48,8 +50,7 @@ def build_trainer(steps: int, seed: int, run_dir: Path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from training.config import register_configs, validate
-    from training.distributed import init_distributed
+    # deferred: megatron (~3 s); __main__ imports this module, and --report-only runs without it
     from training.trainer import Trainer
 
     register_configs()
@@ -68,8 +69,6 @@ def log(msg: str, t0: float) -> None:
 
 
 def run_study(args) -> dict:
-    from training.distributed import shutdown
-
     t0 = time.time()
     load_start = os.getloadavg()
     torch.set_num_threads(args.threads or torch.get_num_threads())
