@@ -14,10 +14,13 @@ import compat
 from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
 from nvfp4_recipe.policy import (LayerPrecision, PrecisionConfig, PrecisionPolicy,
                                  RuntimePrecisionState)
+from nvfp4_recipe.megatron.te_mapping import build_te_recipe, te_formats
 from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, te_layer_context, te_linear_context
 
 from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
+from .backend import fused_conv1d_loads
 from .config import ModelConfig, precision_policy  # noqa: F401  (re-exported)
+from .mamba_mixer import mamba_kernels_how
 from .recompute import RecomputeConfig
 from .specs import portable_layer_spec, te_layer_spec, with_linear_contexts
 from .stack import HybridStack
@@ -173,8 +176,6 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     state = RuntimePrecisionState()
     decisions = policy.layers()
     if backend == "te":
-        from nvfp4_recipe.megatron.te_mapping import build_te_recipe, te_formats
-
         # One recipe object per format (the recipe's own, and any other an override uses).
         recipes = {fmt: build_te_recipe(dataclasses.replace(precision, format=fmt))
                    for fmt in te_formats(precision) if fmt != "bf16"}
@@ -231,8 +232,6 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 "megatron's non-fused path (no causal_conv1d that mamba_ssm's fused kernel can "
                 "call)")
     else:
-        from .mamba_mixer import mamba_kernels_how
-
         scan = mamba_kernels_how(cuda)
     paths = (f"Mamba: {scan}; {fusion_why}; weights initialised on the "
              f"{'CPU' if use_cpu_initialization(cuda) else 'GPU'}")
@@ -264,6 +263,4 @@ def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
 def _fused_conv1d(backend: str) -> bool:
     """Whether mamba_ssm's fused conv1d + scan can call causal_conv1d, asked only for the TE spec
     (a CUDA run, where mamba_ssm imports)."""
-    from .backend import fused_conv1d_loads
-
     return backend == "te" and fused_conv1d_loads()

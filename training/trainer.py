@@ -18,7 +18,10 @@ from omegaconf import OmegaConf
 from compat import seed_model_parallel_rng
 from errors import ConfigError, ExitCode, ProjectError
 from data import build_data
-from model.build import build_model, choose_backend
+from data.demo import ensure_demo_corpus
+from data.tokenizer import load_tokenizer_spec
+from model.build import build_model, choose_backend, padded_vocab_size
+from model.hf import load_hf_weights
 
 from . import checkpoint as ckpt
 from . import run_dir as run_dir_lib
@@ -27,8 +30,9 @@ from .config import TrainConfig, recompute_config
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
 from .distributed import ParallelContext, step_loss_and_stop, stochastic_rounding_seed
-from .downstream import DownstreamEvaluator
+from .downstream import DownstreamEvaluator, run_tokenizer
 from .grad_health import GradHealth
+from .init_from import is_run_dir, load_run_weights
 from .lr_schedule import WSDScheduler
 from .metrics import (MetricsSink, check_wandb_online, data_line, grad_health_line, render,
                       start_wandb, status_line)
@@ -89,10 +93,7 @@ class Trainer:
         self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
         self.core = self.built.module.to(ctx.device)  # the unwrapped megatron model
         if cfg.model.init_from:  # a NemotronH directory's or a run's weights, before the optimizer
-            from model.hf import load_hf_weights  # copies them (a resume below still wins)
-
-            from .init_from import is_run_dir, load_run_weights
-
+            # copied in (a resume below still wins)
             if is_run_dir(cfg.model.init_from):
                 load_run_weights(self.core, cfg.model)
             else:
@@ -277,7 +278,8 @@ class Trainer:
 
     def _downstream_lm(self):
         """lm-eval's model over this trainer's model (training/lm_eval_model.py)."""
-        from .downstream import run_tokenizer
+        # deferred: lm-eval is optional and costly to import; only a run with evaluation.tasks
+        # gets here, after the start-up's prepare_tasks refused its absence (exit 3)
         from .lm_eval_model import ProjectLM
 
         return ProjectLM(self.model, run_tokenizer(self.cfg.data), self.ctx,
@@ -393,12 +395,8 @@ def prepare_run_dir(cfg: TrainConfig, ctx: ParallelContext) -> Path:
 def _tokenizer_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     """The size of the run's tokenizer and where it is (rank 0; the demo corpus, whose tokenizer
     it is, is built into data.cache_dir first if it is not there yet, as build_data would)."""
-    from data.tokenizer import load_tokenizer_spec
-
     path = cfg.data.tokenizer
     if path is None:
-        from data.demo import ensure_demo_corpus
-
         cache_dir = os.path.abspath(os.path.expanduser(cfg.data.cache_dir))
         path = ensure_demo_corpus(cache_dir, cfg.data.demo, show_progress=True).tokenizer_path
     try:
@@ -412,8 +410,6 @@ def _check_vocab(cfg: TrainConfig) -> None:
     (else an IndexError at step 1 on a CPU, a device assert on a GPU)."""
     if cfg.model.vocab_size is None:
         return
-    from model.build import padded_vocab_size
-
     size, where = _tokenizer_vocab_size(cfg)
     padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.vocab_multiple,
                                cfg.parallel.tensor)

@@ -93,7 +93,7 @@ def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
         yield
 
     monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
-    monkeypatch.setattr("nvfp4_recipe.megatron.te_mapping.build_te_recipe", lambda cfg: RECIPE)
+    monkeypatch.setattr(build_module, "build_te_recipe", lambda cfg: RECIPE)
     # The TE layer specs need TE: build the portable layers under the TE contexts instead.
     monkeypatch.setattr(build_module, "te_layer_spec",
                         lambda d, model: build_module.portable_layer_spec(

@@ -186,7 +186,7 @@ def test_te_linears_overridden_run_in_their_own_context(parallel_context, monkey
 
     monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
     monkeypatch.setattr(build_module.compat, "te_no_autocast", fake_no_autocast)
-    monkeypatch.setattr("nvfp4_recipe.megatron.te_mapping.build_te_recipe", fake_recipe)
+    monkeypatch.setattr(build_module, "build_te_recipe", fake_recipe)
     monkeypatch.setattr(build_module, "te_layer_spec",
                         lambda d, model: build_module.portable_layer_spec(
                             d, PrecisionConfig(), RuntimePrecisionState(), model))
