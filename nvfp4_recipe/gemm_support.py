@@ -127,11 +127,14 @@ class Rule:
 def _local_rows(op: Operand, linear: Linear, s: Setting) -> Optional[int]:
     """The rows of the local T/tensor shard where TE quantizes this operand before an all-gather
     of sequence parallel; None where it quantizes the whole operand:
-    - a column-parallel linear's input, row-wise and column-wise (TE v2.19 module/linear.py:
-      378-398; LayerNormLinear through csrc/extensions/normalization.cpp:140);
+    - a column-parallel linear's input, row-wise and column-wise, in every format (TE v2.19
+      module/linear.py:378-398; LayerNormLinear through csrc/extensions/normalization.cpp:140;
+      MXFP8 the same: v2.18 module/linear.py:342-372, module/layernorm_linear.py:233-252);
     - a row-parallel linear's NVFP4 dY when its shard is quantizable (rows and columns % 16);
       otherwise TE gathers it in BF16 and quantizes the whole (module/base.py:1745-1750,
-      distributed.py:1384-1406)."""
+      distributed.py:1384-1406). MXFP8's dY takes the same two paths (v2.18 distributed.py:
+      1548-1566): a quantizable shard has whole 32-row blocks, so the gathered copy is the
+      whole's either way, and only the whole is checked."""
     if not (s.sequence_parallel and s.tensor > 1):
         return None
     local = op.rows // s.tensor
@@ -159,6 +162,12 @@ def _te_quantize_16(gemm, op, linear, s):
 
 
 def _te_cast_32(gemm, op, linear, s):
+    return _te_dims(op, linear, s, 32, 32)
+
+
+def _te_mxfp8_quantize_32(gemm, op, linear, s):
+    # Every copy TE makes (rowwise and columnwise) comes from one create_tensor over the 2-D
+    # flattened tensor, which checks both dimensions whatever the usage.
     return _te_dims(op, linear, s, 32, 32)
 
 
@@ -231,6 +240,27 @@ RULES: tuple[Rule, ...] = (
          "separate RHT kernel, then the cast, through a columns x rows BF16 temporary",
          "TE v2.9 pytorch/csrc/quantizer.cpp:1477-1478 and 1599-1616; v2.16 :2310-2312; "
          "v2.18 :1909-1915 (is_eligible_for_rht_cast_fusion)", _te_rht_fusion),
+    # MXFP8 (MXFP8BlockScaling): every operand is one quantized tensor with both copies; the
+    # FP8-execution check that runs before it (leading % 8, last % 16: v2.18 utils.py:613-623,
+    # called for every recipe at module/linear.py:336 and layernorm_linear.py:175) never fails
+    # alone where this passes. Its cuBLASLt GEMM adds no dimension check of its own (v2.18
+    # common/gemm/cublaslt_gemm.cu:179-193, 268-278, unlike FP8 block's at :209-214, 295-301),
+    # only cuBLAS >= 12.8 (:500-535, the device's, which TE's is_mxfp8_available covers). The
+    # cast picks a specialized kernel for some shapes and usages (common/cast/mxfp8/
+    # quantize_mxfp8.cuh:671-676) and otherwise the generic TMA kernel, which TE ships as the
+    # general path, not a fallback: no "slower" rule.
+    Rule("te.mxfp8.quantize_32", "te", ("mxfp8",), "fail",
+         "MXFP8 quantization: rows and columns of every quantized operand multiples of 32 (x: T "
+         "and K, W: N and K, dY: T and N; with sequence parallel, a column-parallel input's "
+         "local T/tensor rows)",
+         "TE raises 'MXFP8 requires tensor dims that are divisible by 32'; up to TE 2.13 a "
+         "column-parallel input's local shard first fails 'All-gather requires quantizable "
+         "tensor' (v2.9 module/linear.py:169, utils.py:449-457)",
+         "TE v2.0 pytorch/csrc/extensions/quantizer.cpp:177; v2.9 pytorch/csrc/quantizer.cpp:"
+         "918-920; v2.18 :1492-1494 (MXFP8Quantizer::create_tensor) and pytorch/tensor/"
+         "mxfp8_tensor.py:89-97 (is_quantizable: last dim % 32, product of the leading dims "
+         "% 32); local shard: v2.18 module/linear.py:342-372, module/layernorm_linear.py:"
+         "233-252", _te_mxfp8_quantize_32),
     # NVFP4's local shard is te.nvfp4.quantize_16's: TE quantizes it before the gather.
     Rule("te.fp8_block.sequence_parallel_gather", "te", ("fp8",), "fail",
          "FP8 block, sequence parallel: the column-parallel input is quantized on its local "

@@ -12,17 +12,20 @@ from model.device import probe_hardware
 from nvfp4_recipe.gemm_support import (CANDIDATE_TENSOR_SIZES, DeviceSetting, Linear, Report,
                                        Setting, check_linears, known_bad_hits, layout_verdicts)
 from nvfp4_recipe.policy import low_precision_formats
+from nvfp4_recipe.registry import format_spec
 
 
 def preflight_backends(precision, model_spec: str) -> tuple[str, ...]:
     """The GEMM backends a run of this config may use (the dry run checks each): TE where the
-    config lets it (`auto`: TE on Blackwell, the emulation elsewhere), never for MXFP4 (TE has no
-    MXFP4 recipe, so such a run is emulated)."""
+    config lets it (`auto`: TE on Blackwell, the emulation elsewhere), never where a format has
+    no TE recipe in the registry (MXFP4: such a run is emulated; NVFP4, FP8 and MXFP8 have one)."""
     if precision.backend == "emulated" or model_spec == "portable":
         return ("emulated",)
     if precision.backend == "te" or model_spec == "te":
         return ("te",)
-    return ("emulated",) if "mxfp4" in low_precision_formats(precision) else ("te", "emulated")
+    te_runs_all = all(format_spec(f).te_recipe(precision) is not None
+                      for f in low_precision_formats(precision))
+    return ("te", "emulated") if te_runs_all else ("emulated",)
 
 
 def probe_device(cfg, activation_dtype: str = "bf16", hardware=None):

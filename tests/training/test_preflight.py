@@ -33,6 +33,7 @@ def in_proj(n: int, fmt: str = "nvfp4", k: int = 5120) -> Linear:
 
 def test_every_rule_cites_its_source_and_has_a_test():
     tested = {"te.nvfp4.quantize_16", "te.nvfp4.cast_32", "te.nvfp4.rht_fusion",
+              "te.mxfp8.quantize_32",
               "te.fp8_block.sequence_parallel_gather", "te.fp8.exec_dims", "te.fp8_block.gemm_dims",
               "emulated.nvfp4.block_16", "emulated.mxfp4.block_32", "emulated.mxfp8.block_32"}
     assert {r.id for r in RULES} == tested
@@ -114,6 +115,52 @@ def test_te_sequence_parallel_quantizes_the_local_shard_of_a_column_parallel_inp
     assert verdicts(fp8, tokens=8 * 128, **sp)["fprop"] == "ok"
     # K = 5184 (not whole 128-blocks) with whole row blocks: the round trip keeps the values
     assert verdicts(in_proj(2848, "fp8", k=5184), tokens=8 * 128, **sp)["fprop"] == "ok"
+
+
+# -- TE MXFP8 --------------------------------------------------------------------------------------
+
+
+def test_te_mxfp8_quantize_needs_multiples_of_32_in_every_gemm():
+    """TE v2.18 quantizer.cpp:1492-1494 (v2.9 :918-920, v2.0 extensions/quantizer.cpp:177):
+    MXFP8Quantizer::create_tensor checks the flattened rows and columns % 32, for the rowwise and
+    the columnwise copy alike (mxfp8_tensor.py:89-97 is_quantizable the same). Each GEMM reduces
+    over one of those dimensions: N = 2832 (the 12B in_proj at tensor 8, 88.5 x 32) is Dgrad's
+    reduction dimension, and W and dY hold it in every GEMM, so all three fail; the MXFP8 GEMM
+    itself checks nothing more (cublaslt_gemm.cu:179-193, 268-278)."""
+    assert verdicts(in_proj(2832, "mxfp8")) == {g: "fail" for g in ("fprop", "dgrad", "wgrad")}
+    got = reasons(in_proj(2832, "mxfp8"))
+    assert got["fprop"] == ["te.mxfp8.quantize_32"]  # W 2832 x 5120
+    dgrad = next(c for c in check_linear(in_proj(2832, "mxfp8"), Setting("te", T_12B))
+                 if c.gemm == "dgrad")
+    assert dgrad.reasons == ("te.mxfp8.quantize_32: dY 8192 x 2832: columns (N) 2832 not a "
+                             "multiple of 32",
+                             "te.mxfp8.quantize_32: W 2832 x 5120: rows (N) 2832 not a multiple "
+                             "of 32")
+    assert verdicts(in_proj(2848, "mxfp8")) == {g: "ok" for g in ("fprop", "dgrad", "wgrad")}
+    # K (Fprop's and Wgrad's x) and T (Wgrad's reduction): 8176 tokens = 255.5 x 32.
+    assert verdicts(in_proj(2848, "mxfp8", k=5136))["fprop"] == "fail"
+    assert verdicts(in_proj(2848, "mxfp8"), tokens=8176)["wgrad"] == "fail"
+    # Multiples of 16 that NVFP4 quantizes (its cast falls back at % 32, no more) MXFP8 refuses.
+    assert verdicts(in_proj(2832, "nvfp4"), rht=False)["dgrad"] == "slower"
+
+
+def test_te_mxfp8_sequence_parallel_quantizes_the_local_shard_of_a_column_parallel_input():
+    """A column-parallel input is quantized on its T/tensor rows before the all-gather, whatever
+    the recipe (v2.18 module/linear.py:342-372, layernorm_linear.py:233-252): 8 x 48 tokens are
+    quantizable whole (384 = 12 x 32) but not per rank (48). A row-parallel dY whose shard is
+    not quantizable is gathered in BF16 and quantized whole (distributed.py:1548-1566), so only
+    the whole counts there."""
+    sp = {"tensor": 8, "sequence_parallel": True}
+    column = in_proj(2848, "mxfp8")
+    assert verdicts(column, tokens=8 * 48, **sp)["fprop"] == "fail"
+    assert reasons(column, tokens=8 * 48, **sp)["fprop"] == ["te.mxfp8.quantize_32"]
+    assert verdicts(column, tokens=8 * 48, tensor=8)["fprop"] == "ok"  # no SP: 384 rows
+    assert verdicts(column, tokens=8 * 64, **sp) == {g: "ok" for g in ("fprop", "dgrad", "wgrad")}
+    row = Linear("layers.2.mixer.out_proj", "mxfp8", 1280, 5120, parallel="row")
+    assert verdicts(row, tokens=8 * 48, **sp) == {g: "ok" for g in ("fprop", "dgrad", "wgrad")}
+    # 36 rows per rank: that shard is gathered in BF16 and the 288 = 9 x 32 rows quantized whole
+    assert verdicts(row, tokens=8 * 36, **sp) == {g: "ok" for g in ("fprop", "dgrad", "wgrad")}
+    assert verdicts(row, tokens=8 * 38, **sp)["dgrad"] == "fail"  # 304 rows: not whole blocks
 
 
 # -- TE FP8 block scaling --------------------------------------------------------------------------
@@ -285,6 +332,69 @@ def test_12b_mxfp4_at_tensor_8_would_fail_and_names_layouts_that_work(parallel_c
     assert "tensor sizes where mixer.in_proj works: 1, 2, 4," in line
     assert "++precision.overrides={*.mixer.in_proj:bf16}" in line
     assert "exit code 2" in capsys.readouterr().out
+
+
+def mxfp8(**kw) -> PrecisionConfig:
+    """recipes/precision/mxfp8.yaml: every pattern layer in MXFP8 (Bridge's bf16_with_mxfp8_mixed)."""
+    return PrecisionConfig(name="mxfp8", format="mxfp8", bf16_first_layers=0, bf16_last_layers=0,
+                           **kw)
+
+
+@pytest.mark.parametrize("backend,checked", [("auto", ("te", "emulated")), ("te", ("te",)),
+                                             ("emulated", ("emulated",))])
+def test_12b_mxfp8_verdicts_per_backend_and_tensor_size(backend, checked):
+    """MXFP8 has a TE recipe (MXFP8BlockScaling), so backend=auto checks TE and the emulation
+    (MXFP4, without one, only the emulation). in_proj's 22,656 outputs make whole 32-blocks at
+    tensor 1, 2 and 4 (708, 354, 177 blocks) and not at 8 (2,832 = 88.5 x 32): there TE fails
+    every in_proj GEMM (N is a row or column of W and dY in each) and the emulation its Fprop
+    (N % 32, checked once per call); every other 12B linear splits into 32-blocks at all four."""
+    from training.preflight import preflight, preflight_backends
+
+    precision = mxfp8(backend=backend)
+    assert preflight_backends(precision, "auto") == checked
+    report = preflight(cfg_12b(8, precision), checked)
+    assert {t: {b: report.layouts[t][b]["verdict"] for b in checked} for t in (1, 2, 4, 8)} == {
+        t: {b: "fail" if t == 8 else "ok" for b in checked} for t in (1, 2, 4, 8)}
+    failing = {(c.backend, c.linear.split(".", 2)[2], c.gemm) for c in report.checks
+               if c.verdict == "fail"}
+    want = {("te", "mixer.in_proj", g) for g in ("fprop", "dgrad", "wgrad") if "te" in checked}
+    if "emulated" in checked:
+        want.add(("emulated", "mixer.in_proj", "fprop"))
+    assert failing == want
+    assert {c.format for c in report.checks} == {"mxfp8"}
+    assert len(report.checks) == 3 * 124 * len(checked)  # every linear of the 62 layers
+    refusal = report.refusal()
+    assert refusal.startswith("preflight: would fail on ")
+    assert "mixer.in_proj" in refusal and "2832 not a multiple of 32" in refusal
+    assert "tensor sizes where mixer.in_proj works: 1, 2, 4," in refusal
+
+
+def test_start_up_lists_an_mxfp8_gemm_whose_reduction_dim_misses_32_before_training(
+        tmp_path, data_cache, monkeypatch, caplog):
+    """precision=mxfp8 with an MLP of 1,040 (32.5 x 32): linear_fc2's Fprop reduces over 1,040,
+    so the start-up preflight (run in this process as train.py runs it, on this machine's
+    backend: the emulation) names it with exit 2, and no run directory is made."""
+    from hydra import compose, initialize_config_dir
+
+    from train_helpers import FAST, RECIPES
+    from training.config import register_configs
+    from training.entry import run
+
+    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
+    run_dir = tmp_path / "run"
+    register_configs()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        raw = compose(config_name="train", overrides=[
+            *FAST, "precision=mxfp8", "model.ffn_hidden_size=1040", "trainer.max_steps=1",
+            f"run.dir={run_dir}"])
+    with caplog.at_level("ERROR", logger="nvfp4_pretrain"):
+        assert run(raw) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("error:")]
+    assert "would fail on emulated: mlp.linear_fc2 Fprop (mxfp8)" in line
+    assert "K (in_features) 1040 not a multiple of 32" in line
+    assert "would fail on emulated: mlp.linear_fc1 Fprop (mxfp8)" in line  # N = 1040
+    assert "++precision.overrides={*.mlp.linear_fc2:bf16}" in line
+    assert not run_dir.exists()
 
 
 def test_override_to_bf16_makes_the_12b_clean_at_tensor_8():
