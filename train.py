@@ -21,7 +21,7 @@ import hydra
 
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")
 def main(cfg) -> None:
-    from training.entry import run
+    from training.entry import run  # deferred: torch and megatron stay out of the helper, as above
 
     sys.exit(run(cfg))
 

@@ -31,11 +31,11 @@ __all__ = [
 
 def __getattr__(name):  # PEP 562: lazy heavy imports
     if name in ("build_data", "DataBundle"):
-        from data import build as _b
+        from data import build as _b  # deferred: torch; `import data` stays light
 
         return getattr(_b, name)
     if name == "StreamingBlend":
-        from data.blend import StreamingBlend
+        from data.blend import StreamingBlend  # deferred: torch, as build_data
 
         return StreamingBlend
     raise AttributeError(f"module 'data' has no attribute {name!r}")

@@ -28,7 +28,10 @@ into `errors.ConfigError`.
 from __future__ import annotations
 
 import ast
+import io
+import re
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -216,3 +219,93 @@ def test_the_walker_sees_deferred_and_aliased_imports(tmp_path):
                       "    import model.build\n"
                       "from . import sibling\nimport numpy\n")
     assert imported_packages(module) == {"compat", "training", "model"}
+
+
+# -- deferred imports say why ---------------------------------------------------------------------
+# A project import inside a function hides a dependency from the module's top. Where one must stay
+# there (megatron's ~3 s kept out of a refused start, a package a machine may lack, a spawned
+# process that re-imports the module), a comment on its line or the line above says why; a comment
+# above a run of consecutive imports covers the run. A bare `# noqa: ...` is no reason.
+
+
+def _comments(source: str) -> dict[int, str]:
+    """{line: the comment's text, lint directives removed} of every comment that says something."""
+    found = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            text = re.sub(r"noqa(:\s*[A-Z]+[0-9]+(,\s*[A-Z]+[0-9]+)*)?|type:\s*ignore\S*", "",
+                          token.string.lstrip("#")).strip()
+            if text:
+                found[token.start[0]] = text
+    return found
+
+
+def _is_project_import(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] in BELOW for alias in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or (node.module or "").split(".")[0] in BELOW
+    return False
+
+
+def unexplained_deferred_imports(file: Path) -> list[int]:
+    """The lines of the project imports inside functions of `file` that no comment explains."""
+    source = file.read_text()
+    comments = _comments(source)
+    found = []
+
+    def explained(node: ast.AST, previous: ast.AST | None, ok: set[int]) -> bool:
+        lines = range(node.lineno - 1, node.end_lineno + 1)  # the line above and its own
+        return (any(line in comments for line in lines)
+                or (previous is not None and id(previous) in ok
+                    and previous.end_lineno == node.lineno - 1))
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        ok: set[int] = set()
+        previous = None
+        for child in ast.iter_child_nodes(node):
+            if in_function and _is_project_import(child):
+                if explained(child, previous, ok):
+                    ok.add(id(child))
+                else:
+                    found.append(child.lineno)
+            previous = child if isinstance(child, (ast.Import, ast.ImportFrom)) else None
+            visit(child, in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source, str(file)), False)
+    return sorted(found)
+
+
+def test_every_deferred_project_import_says_why():
+    files = [f for package in BELOW for f in package_files(package)] + [REPO / "train.py"]
+    unexplained = [f"{file.relative_to(REPO)}:{line}"
+                   for file in files for line in unexplained_deferred_imports(file)]
+    assert not unexplained, (
+        "project imports inside functions without a comment saying why they are not at the "
+        "module's top (move them up, or say why on the line or the line above):\n"
+        + "\n".join(unexplained))
+
+
+def test_the_deferred_import_check_finds_an_unexplained_one(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import model.build\n"                                    # 1 top: fine
+        "def f():\n"                                              # 2
+        "    import os\n"                                         # 3 not the project's
+        "    from training.plan import build_plan\n"              # 4 unexplained
+        "    from . import sibling  # noqa: F401\n"               # 5 a directive only
+        "    # deferred: megatron\n"                              # 6
+        "    from model.build import build_model\n"               # 7 explained
+        "    from training.config import TrainerConfig\n"         # 8 the run above covers it
+        "\n"                                                      # 9
+        "    from data import build_data\n"                       # 10 the run ended
+        "    x = lambda: __import__('os')\n"                      # 11
+        "    if x:\n"                                             # 12
+        "        from errors import ExitCode  # deferred: a cycle\n"  # 13 explained
+        "        import compat\n"                                 # 14 covered
+        "class C:\n"                                              # 15
+        "    from model import hf\n"                              # 16 a class body: at import
+        "    def g(self):\n"                                      # 17
+        "        from ..model import hf\n")                       # 18 relative: unexplained
+    assert unexplained_deferred_imports(module) == [4, 5, 10, 18]
