@@ -54,6 +54,16 @@ GIB = 2**30
 BYTES_ACTIVATION = 2  # BF16 activations
 BYTES_LOGITS = 6  # BF16 logits + the FP32 copy the vocab-parallel cross entropy keeps
 BYTES_EMULATED_WEIGHT_COPY = 2  # the emulated low-precision linear's saved BF16 weight values
+# Bytes per element of one quantized copy of a tensor (one usage: rowwise or columnwise), its
+# block scales included, as TE stores it:
+#   nvfp4  0.5 B (two E2M1 codes a byte) + one E4M3 scale per 16 (the FP32 tensor scale: 0);
+#   fp8    1 B; its FP32 scale per 128x128 weight block (4 B per 16,384) neglected;
+#   mxfp8  1 B (E4M3) + one E8M0 scale byte per 32: TE's MXFP8Tensor holds, per usage, data of
+#          the tensor's shape and a scale_inv of (rows, cols / 32) rowwise, (rows / 32, cols)
+#          columnwise (v2.18 pytorch/tensor/mxfp8_tensor.py:103-140, get_scale_shape; padded to
+#          128 x 4 scale tiles, neglected), as this project's quantize_mxfp8 (data
+#          float8_e4m3fn, scales float8_e8m0fnu).
+QUANTIZED_BYTES_PER_ELEMENT = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0, "mxfp8": 1 + 1 / 32}
 
 
 def pipeline_stages(num_layers: int, pipeline: int, first: Optional[int] = None,

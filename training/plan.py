@@ -25,8 +25,9 @@ optimizer, megatron/training/theoretical_memory_usage.py:293-296 at core_v0.19.0
                             trainer.distributed_optimizer, else 1 (every replica holds all of it).
     TE weights  (plan backend te only) the quantized copies TE caches of each low-precision GEMM
                 weight across micro-batches, row-wise for Fprop and column-wise for Dgrad:
-                NVFP4 2 x (0.5 + 1/16) B, FP8 2 x 1 B per weight element (an estimate of TE's
-                workspaces; BF16 linears keep none).
+                NVFP4 2 x (0.5 + 1/16) B, FP8 2 x 1 B, MXFP8 2 x (1 + 1/32) B per weight element
+                (model/memory_model.py's QUANTIZED_BYTES_PER_ELEMENT; an estimate of TE's
+                workspaces; BF16 linears keep none; MXFP4 has no TE recipe).
 
 Micro-batches in flight
     in_flight = min(p - stage, micro-batches per step): megatron's 1F1B schedule holds up to
@@ -75,6 +76,7 @@ from model.memory_model import (
     BYTES_EMULATED_WEIGHT_COPY,
     BYTES_LOGITS,
     GIB,
+    QUANTIZED_BYTES_PER_ELEMENT,
     activation_elements_per_token,
     linear_weight_counts,
     parameter_counts,
@@ -92,7 +94,7 @@ BYTES_MAIN_GRAD = 4  # FP32 main-grad buffer
 BYTES_OPTIMIZER = 12  # FP32 master weight + exp_avg + exp_avg_sq
 BYTES_ADAM_TEMP = 4  # foreach AdamW's sqrt(exp_avg_sq) buffer
 # TE's cached quantized weight per element: row-wise + column-wise data and their block scales.
-TE_WEIGHT_CACHE_BYTES = {"nvfp4": 2 * (0.5 + 1 / 16), "fp8": 2.0}
+TE_WEIGHT_CACHE_BYTES = {fmt: 2 * n for fmt, n in QUANTIZED_BYTES_PER_ELEMENT.items()}
 BACKENDS = ("te", "emulated")
 # Vocabulary when none is known without building data: model.vocab_size unset and data.tokenizer
 # naming a file that does not exist (yet). The demo tokenizer uses data.demo.vocab_size instead.

@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ROOT = os.path.dirname(_TESTS)
@@ -88,6 +89,41 @@ def test_bf16_and_fp8_plans(parallel_context):
     plan = build_plan(train_config("nemotron_h_12b", fp8))
     assert bf16_layers(plan) == [0, 60, 61]
     assert plan["linear_counts"] == {"bf16": 6, "fp8": 118}
+
+
+def test_12b_mxfp8_te_weight_cache_is_one_byte_and_a_scale_per_32(parallel_context):
+    """precision=mxfp8 (every layer MXFP8) on TE: each GEMM weight cached row- and column-wise,
+    1 B per element + one E8M0 scale byte per 32 each, / tensor 4: what quantize_mxfp8 stores
+    too. NVFP4 on the same linears caches 2 x (0.5 + 1/16) B: MXFP8's cache is 11/6 of it."""
+    from model.memory_model import QUANTIZED_BYTES_PER_ELEMENT
+    from nvfp4_recipe import quantize_mxfp8
+
+    q = quantize_mxfp8(torch.randn(64, 256))
+    stored = q.data.numel() * q.data.element_size() + q.scales.numel() * q.scales.element_size()
+    assert stored / (64 * 256) == QUANTIZED_BYTES_PER_ELEMENT["mxfp8"] == 1 + 1 / 32
+
+    kw = dict(tensor=4, seq_length=8192, micro_batch_size=1, global_batch_size=16)
+    every = dict(bf16_first_layers=0, bf16_last_layers=0)
+    mx = build_plan(train_config("nemotron_h_12b", PrecisionConfig(name="mxfp8", format="mxfp8",
+                                                                   **every), **kw),
+                    PlanConfig(backend="te"))
+    assert mx["linear_counts"] == {"mxfp8": 124}
+    # 28 Mamba (in_proj + out_proj), 28 MLP (fc1 + fc2), 6 attention (qkv + proj) layers
+    weights = (28 * (115_998_720 + 10_240 * 5_120) + 28 * 2 * 5_120 * 20_480
+               + 6 * (5_120 * 7_168 + 5_120 * 5_120))
+    (stage,) = mx["memory"]["stages"]
+    assert stage["te_weight_cache_bytes"] == round(weights / 4 * 2 * (1 + 1 / 32))
+    (nv_stage,) = build_plan(train_config("nemotron_h_12b", nvfp4(**every), **kw),
+                             PlanConfig(backend="te"))["memory"]["stages"]
+    assert nv_stage["te_weight_cache_bytes"] == round(weights / 4 * 2 * (0.5 + 1 / 16))
+    # Nothing else differs: activations are counted in BF16 for every format, parameters alike.
+    assert stage["kept_per_micro_batch_bytes"] == nv_stage["kept_per_micro_batch_bytes"]
+    assert stage["static_bytes"] - nv_stage["static_bytes"] == \
+        stage["te_weight_cache_bytes"] - nv_stage["te_weight_cache_bytes"]
+    # MXFP4 has no TE recipe: a TE plan of it is refused, naming the way out.
+    with pytest.raises(ValueError, match="mxfp4 linears do not run on TE"):
+        build_plan(train_config("nemotron_h_12b", PrecisionConfig(name="mxfp4", format="mxfp4"),
+                                **kw), PlanConfig(backend="te"))
 
 
 # -- memory -------------------------------------------------------------------------------------
