@@ -21,8 +21,6 @@ from train_helpers import FAST, REPO, run_train
 
 pytest.importorskip("lm_eval")
 
-pytestmark = pytest.mark.slow
-
 TASK = "demo_arith_choice"  # 4 choices per question: lm-eval's multiple_choice, acc/acc_norm
 LIMIT = 16
 TRAIN = [*FAST, "model.hidden_size=64", "model.ffn_hidden_size=128", "precision=bf16",

@@ -18,11 +18,6 @@ SIX_STEPS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval
 ARGS = [*SIX_STEPS, "trainer.keep_last=10"]
 
 
-
-
-
-
-@pytest.mark.slow
 def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_cache,
                                                                   shared_runs):
     reference, _ = shared_runs.get(*SIX_STEPS)  # keep_last does not change what trains
@@ -50,7 +45,6 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_
     assert step_losses(killed) == expected, f"killed after step {kill_after}"
 
 
-@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_75_then_resumes(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     proc = popen_train(run_dir, data_cache, *ARGS, "trainer.save_every=100")
@@ -65,7 +59,6 @@ def test_sigterm_checkpoints_and_exits_75_then_resumes(tmp_path, data_cache):
     assert max(step_losses(run_dir)) == 6
 
 
-@pytest.mark.slow
 def test_corrupt_or_torn_latest_checkpoint_falls_back_to_the_previous(tmp_path, data_cache,
                                                                       shared_runs):
     run_dir = shutil.copytree(shared_runs.get(*RESUMABLE)[0], tmp_path / "run")  # steps 2 and 4
@@ -93,7 +86,6 @@ def test_corrupt_or_torn_latest_checkpoint_falls_back_to_the_previous(tmp_path, 
     assert verify_checkpoint(root / "step_0000004") is None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_loss_stops_or_skips_and_never_checkpoints_nan_weights(tmp_path, data_cache, policy):
     run_dir = tmp_path / policy

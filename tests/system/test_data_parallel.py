@@ -17,7 +17,6 @@ def _optimizer_mib(log: str) -> float:
     return float(re.search(r"FP32 master weights \+ Adam ([0-9.]+) MiB", log).group(1))
 
 
-@pytest.mark.slow
 def test_sharded_optimizer_trains_alike_and_reshards_over_data_parallel(tmp_path, data_cache,
                                                                         shared_runs):
     (dp2, plain_log), (dp2_sharded, sharded_log) = (shared_runs.get(*ARGS, nproc=2),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 TOKENS = 64  # divisible by TP=2 and by the Mamba chunk (32)
@@ -73,7 +72,6 @@ def _worker(rank: int, port: int, result_dir: str):
         shutdown()
 
 
-@pytest.mark.slow
 def test_tp2_with_sequence_parallel_matches_tp2(tmp_path):
     import torch.multiprocessing as mp
 

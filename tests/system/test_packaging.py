@@ -10,7 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "build", ".wheels",
                                      "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis")
 

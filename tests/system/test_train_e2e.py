@@ -10,7 +10,6 @@ from train_helpers import FAST, RESUMABLE, rewound_copy, run_train, step_losses
 from training.metrics import read_metrics
 
 
-@pytest.mark.slow
 def test_demo_run_trains_and_writes_every_output(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, *FAST, "trainer.max_steps=12", "trainer.eval_every=6",
@@ -41,7 +40,6 @@ def test_demo_run_trains_and_writes_every_output(tmp_path, data_cache):
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1
 
 
-@pytest.mark.slow
 def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache):
     """NVFP4 with stochastic rounding (the RNG state must be restored), diagnostics every 2
     steps, and a switch to BF16 after 25% of the tokens, i.e. before step 3."""
@@ -81,7 +79,6 @@ def test_nvfp4_run_switches_to_bf16_and_resumes_bit_for_bit(tmp_path, data_cache
     assert step_losses(resumed) == expected
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 def test_two_processes_match_one(shared_runs, layout):
     single, _ = shared_runs.get(*RESUMABLE)

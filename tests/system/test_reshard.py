@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from train_helpers import RESUMABLE as ARGS
 from train_helpers import rewound_copy, run_train, step_losses
 
 
-@pytest.mark.slow
 def test_tp2_checkpoint_continues_at_tp1_and_at_pp2(tmp_path, data_cache, shared_runs):
     tp2, _ = shared_runs.get(*ARGS, "parallel.tensor=2", nproc=2)
     expected = step_losses(tp2)

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from train_helpers import RESUMABLE, TWO_STAGES, step_losses
 
 
-@pytest.mark.slow
 def test_two_pipeline_stages_match_one_process(shared_runs):
     single, _ = shared_runs.get(*RESUMABLE)
     staged, _ = shared_runs.get(*RESUMABLE, *TWO_STAGES, nproc=2)

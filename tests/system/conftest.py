@@ -1,0 +1,24 @@
+"""The system tier: tests that start processes (train.py, torchrun, a module's command line,
+ranks spawned over gloo) or train runs of several steps. Each test collected here is marked
+`slow`, so `-m "not slow"` and `--ignore=tests/system` select the same unit tier
+(tests/test_suite_tiers.py keeps the marker out of the other directories)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SYSTEM = Path(__file__).resolve().parent
+
+
+def in_system_tier(path: Path) -> bool:
+    return SYSTEM in Path(path).resolve().parents
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    # The hook sees the whole session's items, not only this directory's.
+    for item in items:
+        if in_system_tier(item.path):
+            item.add_marker(pytest.mark.slow)
