@@ -3,7 +3,7 @@
     python -m studies.golden                 # show what is stored (changes nothing)
     python -m studies.golden --regenerate    # re-run and rewrite tests/golden/{bf16,nvfp4}.json
 
-tests/training/test_golden.py re-runs the same command and compares. Regenerate only on purpose (a change
+tests/system/test_golden_losses.py re-runs the same command and compares. Regenerate only on purpose (a change
 that is meant to change the numerics), and say why in the commit.
 
 Determinism: one torch thread (OMP_NUM_THREADS=1), so the summation order of the CPU kernels does
@@ -126,7 +126,8 @@ def regenerate() -> None:
                 "machine": machine_summary(), "generated": datetime.now(timezone.utc).isoformat(),
                 "tolerance_other_builds": TOLERANCE[p], "tolerance_basis": TOLERANCE_BASIS[p],
                 "note": "regenerate with `python -m studies.golden --regenerate`; compared by "
-                        "tests/training/test_golden.py: on the same corpus tokens (corpus_tokens_sha256), "
+                        "tests/system/test_golden_losses.py: on the same corpus tokens "
+                        "(corpus_tokens_sha256), "
                         "exactly when torch, cpu_capability and gemm_compute match, else within "
                         "tolerance_other_builds (absolute, per step)",
             }
