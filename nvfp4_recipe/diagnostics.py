@@ -21,8 +21,10 @@ def quantize_dequantize(x: torch.Tensor, config: QuantConfig, role: Role = "acti
 
     NVFP4: activation 1x16 nearest; weight 16x16 (1x16 if config.weight_2d is off) nearest;
     gradient 1x16, stochastic if config.stochastic_rounding. MXFP4: 1x32 (SR on gradients if set).
-    FP8 block: weight 128x128, others 1x128. x must be 2-D (weights) or (..., K). Each format's
-    rule is its emulated ops' `quantize_dequantize` (nvfp4_recipe/operands.py).
+    MXFP8: 1x32 E4M3 with E8M0 scales, nearest, every role alike (TE's MXFP8BlockScaling has no
+    2-D weights and no SR). FP8 block: weight 128x128, others 1x128. x must be 2-D (weights) or
+    (..., K). Each format's rule is its emulated ops' `quantize_dequantize`
+    (nvfp4_recipe/operands.py).
     """
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not supported; use one of {ROLES}")
