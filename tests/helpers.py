@@ -1,5 +1,7 @@
 """Builders the tests share (the fixtures are in conftest.py): data configs over the demo corpus
-and over synthetic sources, model and training configs from the recipes, a free TCP port."""
+and over synthetic sources, model and training configs from the recipes, a free TCP port, and
+what the checkpoint tests of both tiers do to files (flip a byte, plant a pickle that runs code,
+snapshot a tree)."""
 
 from __future__ import annotations
 
@@ -159,3 +161,28 @@ def unwritable_output(where: str, tmp_path: Path, name: str) -> Path:
         return Path("/sys/kernel") / name
     (tmp_path / "a_file").write_text("not a directory")
     return tmp_path / "a_file" / name
+
+
+# -- files and checkpoints ----------------------------------------------------------------------
+
+
+def flip_byte(file: Path) -> None:
+    """Corrupt `file` in place: its middle byte inverted, its size unchanged."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def snapshot(root: Path) -> dict:
+    """{path relative to `root`: bytes} of every file under `root`."""
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class RunsCode:
+    """Unpickling this runs `touch MARKER`: what a crafted .metadata does to a plain pickle.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

@@ -1,7 +1,7 @@
 """Checkpoint hashing at scale: each rank hashes the files it wrote, and verifies them at resume.
 
-Fast tests check who hashes what (pure functions); the slow one saves and resumes over two gloo
-processes and flips a byte in a file rank 1 wrote.
+These check who hashes what (pure functions); saving and resuming over two gloo processes, with
+a byte flipped in a file rank 1 wrote: tests/system/test_checkpoint_resume.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import free_port  # noqa: E402
+from helpers import flip_byte  # noqa: E402
 
 from training.checkpoint import (MANIFEST, NoUsableCheckpoint, find_resume_checkpoint,  # noqa: E402
                                  verify_checkpoint, verifying_rank, writer_rank)
@@ -61,15 +61,9 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     return path
 
 
-def _flip_byte(file: Path) -> None:
-    data = bytearray(file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    file.write_bytes(bytes(data))
-
-
 def test_a_rank_verifies_only_its_share_and_one_process_verifies_all(tmp_path):
     path = _fake_checkpoint(tmp_path, 2)
-    _flip_byte(path / "dist" / "__1_0.distcp")
+    flip_byte(path / "dist" / "__1_0.distcp")
     assert verify_checkpoint(path, rank=0, world_size=2) is None  # not rank 0's file
     assert "dist/__1_0.distcp does not match its checksum" in verify_checkpoint(path, 1, 2)
     assert "dist/__1_0.distcp" in verify_checkpoint(path)  # one process: every file
@@ -111,11 +105,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_on_one_rank_too(tmp_path, caplog
                              pipeline_rank=0, data_rank=0, device=torch.device("cpu"))
     _fake_checkpoint(tmp_path, 2)
     newest = _fake_checkpoint(tmp_path, 4)
-    _flip_byte(newest / "rng_rank1.pt")
+    flip_byte(newest / "rng_rank1.pt")
     with caplog.at_level(logging.WARNING, logger="nvfp4_pretrain"):
         assert find_resume_checkpoint(tmp_path, single).name == "step_0000002"
     assert "step_0000004 is unusable: rng_rank1.pt does not match its checksum" in caplog.text
-    _flip_byte(tmp_path / "step_0000002" / "trainer.pt")
+    flip_byte(tmp_path / "step_0000002" / "trainer.pt")
     with pytest.raises(NoUsableCheckpoint):
         find_resume_checkpoint(tmp_path, single)
 
@@ -132,109 +126,3 @@ def test_the_12b_projection_splits_the_checkpoint_over_the_ranks_that_write_it()
     assert paper["ranks"] == 736 and paper["before_s"] == round(total / 1e9, 1)
     assert paper["after_s"] == round(total / 736 / 2e9, 1)
     assert rows["DP=1, TP=4"]["after_s"] == round(total / 4 / 2e9, 1)
-
-
-# -- slow: two gloo processes ------------------------------------------------------------------
-
-
-def _worker(rank: int, world: int, port: int, root: str, out: str, phase: str) -> None:
-    """One rank: save step_2 and step_4 ("save"), step_4 again ("resave"), or pick the
-    checkpoint to resume ("resume");
-    write which files this rank hashed (and, on rank 0, the warnings) to out/<phase>_rank<r>.json."""
-    from training import checkpoint as ckpt
-    from training.distributed import init_distributed, shutdown
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    hashed: list[str] = []
-    real = ckpt._sha256
-
-    def spy(path: Path) -> str:
-        hashed.append(str(path))
-        return real(path)
-
-    ckpt._sha256 = spy
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("nvfp4_pretrain").addHandler(handler)
-    ctx = init_distributed(1, 1, "gloo")
-    result: dict = {}
-    try:
-        if phase in ("save", "resave"):
-            from model.build import build_model
-            from model.config import ModelConfig
-            from nvfp4_recipe.policy import PrecisionConfig
-            from training import ddp_optimizer as mp
-            from training.config import TrainerConfig
-
-            torch.manual_seed(0)
-            core = build_model(ModelConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=128),
-                               PrecisionConfig(name="bf16", format="bf16"), vocab_size=256,
-                               backend="emulated", params_dtype=mp.PARAMS_DTYPE).module
-            _, optimizer = mp.build_data_parallel_model(core, TrainerConfig(), ctx)
-            for step in (2, 4) if phase == "save" else (4,):
-                ckpt.save_checkpoint(Path(root), step, ctx, model=core, optimizer=optimizer,
-                                     optimizer_format=mp.optimizer_checkpoint_format(ctx.device,
-                                                                                     False),
-                                     trainer_state={"step": step}, keep_last=0)
-        else:
-            try:
-                result["found"] = ckpt.find_resume_checkpoint(Path(root), ctx).name
-            except ckpt.NoUsableCheckpoint as exc:
-                result["error"] = str(exc)
-    finally:
-        shutdown()
-    Path(out, f"{phase}_rank{rank}.json").write_text(json.dumps(
-        {"hashed": hashed, "warnings": warnings, **result}))
-
-
-def _inside(path: str, directory_prefix: str):
-    """`path` relative to its ancestor whose name starts with `directory_prefix` (None: none)."""
-    parts = Path(path).parts
-    top = next((i for i, part in enumerate(parts) if part.startswith(directory_prefix)), None)
-    return None if top is None else str(Path(*parts[top + 1:]))
-
-
-def _run(phase: str, root: Path, out: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, free_port(), str(root), str(out), phase), nprocs=2, join=True)
-    return [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in (0, 1)]
-
-
-@pytest.mark.slow
-def test_two_ranks_hash_their_own_files_and_resume_catches_a_flipped_byte_in_rank_1s(tmp_path):
-    root, out = tmp_path / "checkpoints", tmp_path / "out"
-    out.mkdir()
-    saved = _run("save", root, out)
-    newest = root / "step_0000004"
-    files = json.loads((newest / MANIFEST).read_text())["files"]
-    by_rank = {r: {n for n, m in files.items() if m["rank"] == r} for r in (0, 1)}
-    # rank 1 wrote (and hashed) its own shard and RNG; rank 0 its shard and the shared files
-    assert "rng_rank1.pt" in by_rank[1] and any(n.startswith("dist/__1_") for n in by_rank[1])
-    assert {"trainer.pt", "rng_rank0.pt", "dist/.metadata"} <= by_rank[0]
-    assert by_rank[0] | by_rank[1] == set(files) and not by_rank[0] & by_rank[1]
-    for r in (0, 1):  # each rank hashed exactly the files the manifest gives it, no others
-        mine = {_inside(p, ".tmp-step_0000004") for p in saved[r]["hashed"]} - {None}
-        assert mine == by_rank[r], (r, mine, by_rank[r])
-    assert verify_checkpoint(newest) is None
-
-    shard = sorted(n for n in by_rank[1] if n.endswith(".distcp"))[0]
-    _flip_byte(newest / shard)
-    resumed = _run("resume", root, out)
-    assert resumed[0]["found"] == resumed[1]["found"] == "step_0000002"  # the older one
-    warning = next(w for w in resumed[0]["warnings"] if "step_0000004" in w)
-    assert f"{shard} does not match its checksum (found by rank 1)" in warning, warning
-    # rank 0 never read rank 1's file: the check ran where the file was written
-    assert not any(p.endswith(shard) for p in resumed[0]["hashed"])
-    assert any(p.endswith(shard) for p in resumed[1]["hashed"])
-
-    # saving step 4 again: the corrupt one is checked the same way and moved aside for what it is
-    resaved = _run("resave", root, out)
-    moved = next(w for w in resaved[0]["warnings"] if w.startswith("moved step_0000004"))
-    assert f"unusable ({shard} does not match its checksum, found by rank 1)" in moved, moved
-    assert not any(p.endswith(shard) and "abandoned" not in p and ".tmp" not in p
-                   for p in resaved[0]["hashed"])
-    (aside,) = root.glob("abandoned-*")
-    assert (aside / "step_0000004" / shard).exists() and verify_checkpoint(newest) is None

@@ -1,16 +1,14 @@
 """Which optimizer layout a checkpoint is written in, where it can be resumed, and a resume across
-the two layer-spec families (a checkpoint written on one kind of hardware resumed on another)."""
+the two layer-spec families (a checkpoint written on one kind of hardware resumed on another;
+train.py doing it: tests/system/test_checkpoint_resume.py)."""
 
 from __future__ import annotations
 
 import json
-import re
-import textwrap
 
 import pytest
 import torch
 
-from train_helpers import REPO, RESUMABLE, rewound_copy, run_train, step_losses
 from training import checkpoint as ckpt
 from training import ddp_optimizer as mp
 
@@ -201,45 +199,6 @@ def test_cpu_twin_and_megatron_optimizer_state_cannot_cross_and_the_refusal_says
     assert f"model.init_from={tmp_path.parents[1]}" in message  # the run.dir of checkpoints/step_N
 
 
-# A demo run "on the TE spec" as far as a CPU allows: train.py with its checkpoints written as
-# the TE spec names them (the wrapper below), then plain train.py (the portable spec) resumes.
-SAVE_AS_TE = """
-import runpy, sys
-sys.path.insert(0, {repo!r})
-import training.checkpoint as ckpt
-
-real_state, real_save = ckpt._sharded_state, ckpt.save_checkpoint
-ckpt._sharded_state = lambda *a: ckpt._in_spec(real_state(*a), "te")
-ckpt.save_checkpoint = lambda *a, **kw: real_save(*a, **{{**kw, "spec": "te"}})
-sys.argv = [{train!r}, *sys.argv[1:]]
-runpy.run_path({train!r}, run_name="__main__")
-"""
-ARGS = RESUMABLE
-
-
-@pytest.mark.slow
-def test_a_demo_run_saved_by_the_te_spec_resumes_on_the_portable_spec(tmp_path, data_cache,
-                                                                      shared_runs):
-    whole, _ = shared_runs.get(*ARGS)
-    expected = step_losses(whole)
-
-    script = tmp_path / "save_as_te.py"
-    script.write_text(textwrap.dedent(SAVE_AS_TE.format(repo=str(REPO),
-                                                         train=str(REPO / "train.py"))))
-    te = tmp_path / "te-run"
-    proc = run_train(te, *ARGS, cache_dir=data_cache, script=script)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    crossed = tmp_path / "crossed"
-    rewound_copy(te, crossed, 2)
-    manifest = json.loads((crossed / "checkpoints" / "step_0000002" / ckpt.MANIFEST).read_text())
-    assert manifest["spec"] == "te"
-    proc = run_train(crossed, *ARGS, cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    assert re.search(r"step_0000002: optimizer state in the fully_reshardable layout.*keys of the "
-                     r"te spec translated to the portable spec's", log), log[-3000:]
-    got = step_losses(crossed)
-    assert [got[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]  # bit for bit
 
 
 def _run_dir_with_checkpoint(root, ctx, core, optimizer, model_cfg):

@@ -1,7 +1,7 @@
 """No code runs from a checkpoint, no run is silently thrown away, no resume ends in a traceback.
 
-Fast tests work on small checkpoints written in-process; the slow ones run train.py on a real
-checkpoint as a user (or a Slurm requeue) would.
+These work on small checkpoints written in-process; train.py on a real checkpoint, as a user (or
+a Slurm requeue) runs it: tests/system/test_checkpoint_resume.py.
 """
 
 from __future__ import annotations
@@ -9,15 +9,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import FAST, run_train
-from training.metrics import read_metrics
+from helpers import RunsCode, snapshot
 
 from training.checkpoint import (MANIFEST, NoUsableCheckpoint, _apply_retention,
                                  find_resume_checkpoint, set_aside_for_restart)
@@ -28,35 +26,10 @@ SINGLE = ParallelContext(world_size=1, rank=0, tensor=1, pipeline=1, data=1, ten
                          pipeline_rank=0, data_rank=0, device=torch.device("cpu"))
 
 
-class _RunsCode:
-    """Unpickling this runs `touch MARKER`: what a crafted .metadata does to a plain pickle.load."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def _rehash(checkpoint: Path, name: str) -> None:
-    """Update the manifest as an attacker who can write the run directory would."""
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
-    data = (checkpoint / name).read_bytes()
-    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
-
-
-def _snapshot(root: Path) -> dict:
-    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-# -- fast: in-process ------------------------------------------------------------------------
-
-
 def test_crafted_metadata_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / ".metadata"
-    path.write_bytes(pickle.dumps(_RunsCode(marker)))
+    path.write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(CheckpointRefused) as err:
         read_metadata_safely(path)
     assert not marker.exists()
@@ -109,9 +82,9 @@ def test_safe_strategies_refuse_code_in_metadata_common_state_and_objects(
         bad = tmp_path / name.strip(".")
         shutil.copytree(good, bad)
         if name == "common.pt":
-            torch.save({"step": _RunsCode(marker)}, bad / name)
+            torch.save({"step": RunsCode(marker)}, bad / name)
         else:
-            (bad / name).write_bytes(pickle.dumps(_RunsCode(marker)))
+            (bad / name).write_bytes(pickle.dumps(RunsCode(marker)))
         with pytest.raises(CheckpointRefused, match=str(bad / name)):
             _load_small(bad)
         assert not marker.exists(), name
@@ -119,7 +92,7 @@ def test_safe_strategies_refuse_code_in_metadata_common_state_and_objects(
     bad = tmp_path / "object"
     shutil.copytree(good, bad)
     payload = io.BytesIO()
-    torch.save(_RunsCode(marker), payload)
+    torch.save(RunsCode(marker), payload)
     _replace_item(bad, "extra", payload.getvalue())
     with pytest.raises(CheckpointRefused, match="extra"):
         _load_small(bad)
@@ -175,7 +148,7 @@ def test_transformer_engine_extra_state_is_vetted_before_te_unpickles_it(tmp_pat
                      prefix + "linear_fc1.weight": torch.ones(2)}, tmp_path)
     marker = tmp_path / "pwned"
     bad = {"decoder.layers.0.mlp.linear_fc1._extra_state": as_extra_state(
-        {"recipe": _RunsCode(marker)})}
+        {"recipe": RunsCode(marker)})}
     with pytest.raises(CheckpointRefused, match="linear_fc1._extra_state.*posix.system"):
         vet_extra_state(bad, tmp_path)
     assert not marker.exists()
@@ -198,11 +171,11 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     for step in (2, 4):
         _fake_checkpoint(tmp_path, step, corrupt=True)
     (tmp_path / "step_0000006").mkdir()  # torn
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(NoUsableCheckpoint) as err:
         find_resume_checkpoint(tmp_path, SINGLE)
     assert "none is usable" in str(err.value) and "run.resume=restart" in str(err.value)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_unlisted_files_make_a_checkpoint_unusable(tmp_path):
@@ -217,11 +190,11 @@ def test_unlisted_files_make_a_checkpoint_unusable(tmp_path):
 def test_restart_moves_old_checkpoints_aside_and_deletes_nothing(tmp_path):
     for step in (2, 4):
         _fake_checkpoint(tmp_path, step, corrupt=True)
-    before = {p.name: _snapshot(p) for p in tmp_path.iterdir()}
+    before = {p.name: snapshot(p) for p in tmp_path.iterdir()}
     moved = set_aside_for_restart(tmp_path, SINGLE)
     assert moved.parent == tmp_path and moved.name.startswith("abandoned-")
     assert not list(tmp_path.glob("step_*"))
-    assert {p.name: _snapshot(p) for p in moved.iterdir()} == before
+    assert {p.name: snapshot(p) for p in moved.iterdir()} == before
     assert find_resume_checkpoint(tmp_path, SINGLE) is None  # abandoned ones are not resumed
 
 
@@ -236,100 +209,3 @@ def test_checkpoints_after_skipped_steps_never_evict_the_last_clean_one(tmp_path
     _fake_checkpoint(tmp_path, 6)  # clean again: the newest clean one now
     _apply_retention(tmp_path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000005", "step_0000006"]
-
-
-# -- slow: train.py on a real checkpoint -------------------------------------------------------
-
-ARGS = [*FAST, "precision=bf16", "trainer.save_every=1", "trainer.eval_every=100",
-        "trainer.keep_last=10"]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, data_cache) -> Path:
-    """A run directory with checkpoints at steps 1 and 2."""
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=2", cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return run_dir
-
-
-def _copy(trained: Path, tmp_path: Path) -> Path:
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    return run_dir
-
-
-@pytest.mark.slow
-def test_resume_refuses_a_crafted_metadata_and_runs_nothing(trained, tmp_path, data_cache):
-    run_dir = _copy(trained, tmp_path)
-    marker = tmp_path / "pwned"
-    newest = run_dir / "checkpoints" / "step_0000002"
-    (newest / "dist" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    _rehash(newest, "dist/.metadata")
-    before = _snapshot(run_dir / "checkpoints")
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=3", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert not marker.exists(), log
-    assert proc.returncode == 6, log
-    assert f"refusing {newest / 'dist' / '.metadata'}" in log and "Traceback" not in log
-    assert _snapshot(run_dir / "checkpoints") == before
-
-
-@pytest.mark.slow
-def test_every_checkpoint_corrupt_stops_with_exit_6_until_restart_is_chosen(
-        trained, tmp_path, data_cache):
-    run_dir = _copy(trained, tmp_path)
-    for checkpoint in (run_dir / "checkpoints").glob("step_*"):
-        shard = checkpoint / "dist" / "__0_0.distcp"
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-    checkpoints = _snapshot(run_dir / "checkpoints")
-    metrics = (run_dir / "metrics.jsonl").read_text()
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=3", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 6, log
-    assert "none is usable" in log and "run.resume=restart" in log and "Traceback" not in log
-    assert _snapshot(run_dir / "checkpoints") == checkpoints  # nothing deleted or replaced
-    assert (run_dir / "metrics.jsonl").read_text() == metrics  # no second step 1
-
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=1", "run.resume=restart",
-                     cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    abandoned = list((run_dir / "checkpoints").glob("abandoned-*"))
-    assert len(abandoned) == 1 and _snapshot(abandoned[0]) == checkpoints
-    assert (run_dir / "checkpoints" / "step_0000001" / MANIFEST).exists()
-    events = [m for m in read_metrics(run_dir) if m.get("event") == "restart"]
-    assert len(events) == 1
-
-
-@pytest.mark.slow
-def test_resume_with_another_model_shape_is_one_line_and_exit_2(trained, tmp_path, data_cache):
-    run_dir = _copy(trained, tmp_path)
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=3", "model.hidden_size=128",
-                     cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 2, log
-    assert "does not fit this model" in log and "Traceback" not in log
-    line = next(line for line in log.splitlines() if "does not fit this model" in line)
-    assert "shape mismatch" in line and len(line) < 600
-
-
-@pytest.mark.slow
-def test_consecutive_skips_stop_the_run_and_keep_the_last_clean_checkpoint(tmp_path, data_cache):
-    run_dir = tmp_path / "run"
-    # An absurd learning rate without clipping: step 1 updates, every later loss is not finite.
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=8", "trainer.keep_last=1",
-                     "trainer.lr=1e12", "trainer.grad_clip=0", "trainer.warmup_steps=0",
-                     "trainer.on_nan=skip", "trainer.max_consecutive_skips=3",
-                     cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 4, log
-    assert "3 steps in a row (trainer.max_consecutive_skips=3)" in log
-    metrics = [m for m in read_metrics(run_dir) if "loss" in m]
-    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["skipped_steps"] == 2
-    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    # keep_last=1 keeps step 3 (written after skipped steps) and the last clean one, step 1
-    assert kept == ["step_0000001", "step_0000003"], kept
-    manifest = json.loads((run_dir / "checkpoints" / "step_0000001" / MANIFEST).read_text())
-    assert manifest["skipped_since_previous"] == 0
