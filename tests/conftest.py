@@ -1,6 +1,7 @@
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +70,29 @@ def make_trainer(tmp_path, data_cache, monkeypatch):
 
     yield make
     shutdown()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(size) -> a fresh tmpfs of that size (needs root); unmounted afterwards."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command")
+        where = tmp_path / f"tmpfs-{size}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): "
+                        f"{proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Builders the tests share (the fixtures are in conftest.py): data configs over the demo corpus
 and over synthetic sources, model and training configs from the recipes, a free TCP port, and
-what the checkpoint tests of both tiers do to files (flip a byte, plant a pickle that runs code,
-snapshot a tree)."""
+what the run-directory and checkpoint tests of both tiers do to files (a victim for planted
+links, a flipped byte, a pickle that runs code, a snapshot of a tree)."""
 
 from __future__ import annotations
 
@@ -164,6 +164,13 @@ def unwritable_output(where: str, tmp_path: Path, name: str) -> Path:
 
 
 # -- files and checkpoints ----------------------------------------------------------------------
+
+
+def victim_file(tmp_path: Path) -> tuple[Path, bytes]:
+    """A file outside the run directory that a planted link points at, and its bytes."""
+    victim = tmp_path / "precious.txt"
+    victim.write_bytes(b"the user's own file, not the run's\n")
+    return victim, victim.read_bytes()
 
 
 def flip_byte(file: Path) -> None:

@@ -21,6 +21,9 @@ FAST = ["trainer=fast", "logger=disabled"]
 # Four demo steps with checkpoints at steps 2 and 4: the run most resume and layout tests continue
 # (from shared_runs, so that each layout trains it once per session).
 RESUMABLE = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=100"]
+# Six demo steps with a checkpoint every 2: the runs the fault and run-directory tests stop,
+# kill and resume.
+SIX_STEPS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100"]
 # The demo pattern (9 layers) over two pipeline stages, 5 + 4.
 TWO_STAGES = ["parallel.pipeline=2", "parallel.first_stage_layers=5"]
 

@@ -8,13 +8,13 @@ import shutil
 import signal
 
 import pytest
-from train_helpers import FAST, RESUMABLE, popen_train, run_train, step_losses, wait_for_step
+from train_helpers import (FAST, RESUMABLE, SIX_STEPS, popen_train, run_train, step_losses,
+                           wait_for_step)
 from training.metrics import read_metrics
 from training.checkpoint import latest_valid_checkpoint, verify_checkpoint
 from training.run_dir import LOCK_NAME
 
 # BF16 keeps these fast; the NVFP4 resume test (test_train_e2e) covers the SR RNG state.
-SIX_STEPS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100"]
 ARGS = [*SIX_STEPS, "trainer.keep_last=10"]
 
 

@@ -3,7 +3,8 @@ be turned on other files, a checkpoint's name is checked against its manifest, a
 signal during a save ends in one line and a documented exit code, and a torn metrics line is
 ended before anything is appended to it.
 
-Fast tests work in-process or stop train.py at start-up; the `slow` ones run train.py to the end.
+These work in-process; train.py refusing at start-up, running out of disk or stopped by a
+signal during a save: tests/system/test_run_dir_faults.py.
 """
 
 from __future__ import annotations
@@ -13,37 +14,19 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import FAST, REPO, patched_train_script, run_train
+from helpers import victim_file
 from training.metrics import METRICS_FILE, MetricsSink, read_metrics
 
 from training.checkpoint import (MANIFEST, _apply_retention, latest_valid_checkpoint,
                                  verify_checkpoint)
 from training.distributed import ParallelContext
 
-TINY = [*FAST, "model.hidden_size=64", "model.ffn_hidden_size=128"]
 SINGLE = ParallelContext(world_size=1, rank=0, tensor=1, pipeline=1, data=1, tensor_rank=0,
                          pipeline_rank=0, data_rank=0, device=torch.device("cpu"))
-
-
-def _one_error_line(out: str) -> str:
-    assert "Traceback" not in out, out
-    errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, out
-    return errors[0]
-
-
-def _victim(tmp_path: Path) -> tuple[Path, bytes]:
-    """A file outside the run directory that a planted link points at."""
-    victim = tmp_path / "precious.txt"
-    victim.write_bytes(b"the user's own file, not the run's\n")
-    return victim, victim.read_bytes()
 
 
 # -- the lock, and every other file the run writes into run.dir -------------------------------
@@ -53,7 +36,7 @@ def _victim(tmp_path: Path) -> tuple[Path, bytes]:
 def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, plant):
     from training.run_dir import UnsafeFile, lock_run_dir, release_run_dir
 
-    victim, before = _victim(tmp_path)
+    victim, before = victim_file(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     lock = run_dir / ".lock"
@@ -103,26 +86,12 @@ def test_a_lock_that_is_not_a_regular_file_of_this_user_is_refused(tmp_path, pla
         assert lock.read_text() == "someone else's\n"
 
 
-def test_train_py_refuses_a_symlinked_lock_with_exit_8_and_one_line(tmp_path):
-    victim, before = _victim(tmp_path)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / ".lock").symlink_to(victim)
-    proc = run_train(run_dir, *TINY, "trainer.max_steps=2", timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 8, out
-    line = _one_error_line(out)
-    assert f"{run_dir / '.lock'}" in line and "symbolic link" in line
-    assert victim.read_bytes() == before
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing else written
-
-
 @pytest.mark.parametrize("plant", ["symlink", "hard_link"])
 def test_metrics_and_train_log_refuse_links(tmp_path, plant):
     from training.metrics import setup_logging
     from training.run_dir import UnsafeFile
 
-    victim, before = _victim(tmp_path)
+    victim, before = victim_file(tmp_path)
     for name in (METRICS_FILE, "train.log"):
         run_dir = tmp_path / name.replace(".", "-")
         run_dir.mkdir()
@@ -164,7 +133,7 @@ def _prepare(run_dir: Path):
 def test_the_config_copy_is_never_written_through_a_link(tmp_path, plant):
     from errors import ExitCode, ProjectError
 
-    victim, before = _victim(tmp_path)
+    victim, before = victim_file(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     target = victim if plant == "symlink" else tmp_path / "created-through-the-link"
@@ -309,29 +278,6 @@ def test_enospc_in_the_checkpoint_writer_is_one_line_naming_it(
     assert verify_checkpoint(previous) is None
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """mount(size) -> a fresh tmpfs of that size (needs root); unmounted afterwards."""
-    mounted = []
-
-    def mount(size: str) -> Path:
-        if shutil.which("mount") is None:
-            pytest.skip("no mount command")
-        where = tmp_path / f"tmpfs-{size}"
-        where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): "
-                        f"{proc.stderr.strip()}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def test_a_full_tmpfs_during_a_checkpoint_is_one_line_and_keeps_the_previous(
         tmp_path, parallel_context, small_model, small_tmpfs):
     from training.checkpoint import CheckpointNotWritten
@@ -368,130 +314,3 @@ def test_a_torn_last_metrics_line_is_ended_before_anything_is_appended(tmp_path,
     with caplog.at_level(logging.WARNING, logger="nvfp4_pretrain"):
         MetricsSink(tmp_path, enabled=True)  # a whole file: nothing to say, nothing changed
     assert not caplog.records and path.read_text() == text
-
-
-# -- bad input refused at start-up, before run.dir is written ----------------------------------
-
-
-def test_an_empty_run_dir_is_refused_before_anything_is_written(tmp_path, data_cache):
-    """Started from an empty working directory (run.dir='' would be that directory)."""
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "run.dir=", *TINY,
-                           "trainer.max_steps=1"], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                            "NVFP4_CACHE": str(data_cache)})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    assert "run.dir=''" in _one_error_line(out)
-    assert not list(cwd.iterdir())
-
-
-def test_an_empty_pattern_is_refused_saying_empty(tmp_path):
-    proc = run_train(tmp_path / "run", *TINY, "model.pattern=", timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    line = _one_error_line(out)
-    assert "model.pattern=''" in line and "empty" in line
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_vocab_smaller_than_the_tokenizers_is_refused_before_run_dir_is_written(
-        tmp_path, data_cache):
-    proc = run_train(tmp_path / "run", *TINY, "model.vocab_size=1000", cache_dir=data_cache,
-                     timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    line = _one_error_line(out)
-    assert "model.vocab_size=1000" in line and "4096" in line
-    assert not (tmp_path / "run").exists()
-
-
-# -- slow: train.py to the end ----------------------------------------------------------------
-
-ARGS = [*TINY, "trainer.save_every=2", "trainer.eval_every=100"]
-
-
-@pytest.mark.slow
-def test_a_renamed_checkpoint_is_refused_and_nothing_real_is_moved_or_deleted(
-        tmp_path, data_cache):
-    """A user renames a checkpoint: a finished 4-step run, step_0000004 renamed to step_0000009,
-    then the same resume twice. The renamed one is refused, never deleted, and no intact
-    checkpoint is moved aside."""
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=4", cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    root = run_dir / "checkpoints"
-    (root / "step_0000004").rename(root / "step_0000009")
-    renamed = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()
-               and "step_0000009" in p.parts}
-
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=8", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    assert "step_0000009 is unusable" in log and "step 4" in log
-    assert f"resumed from {root / 'step_0000002'} at step 2" in log
-    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()
-            and "step_0000009" in p.parts} == renamed  # refused, not deleted
-    valid = sorted(p.name for p in root.glob("step_*") if verify_checkpoint(p) is None)
-    assert valid == ["step_0000004", "step_0000006", "step_0000008"]
-    # the re-logged steps 3-4 follow a `resume` event that says where the run went back to
-    records = read_metrics(run_dir)
-    resume = [i for i, r in enumerate(records) if r.get("event") == "resume"]
-    assert len(resume) == 1 and records[resume[0]]["step"] == 2
-    assert [r["step"] for r in records[resume[0] + 1:] if "loss" in r] == [3, 4, 5, 6, 7, 8]
-
-    again = run_train(run_dir, *ARGS, "trainer.max_steps=8", cache_dir=data_cache)
-    log = again.stdout + again.stderr
-    assert again.returncode == 0, log
-    assert "run already complete (8/8 steps)" in log
-    assert not list(root.glob("abandoned-*"))  # no intact checkpoint moved aside as "unusable"
-    assert [r["step"] for r in read_metrics(run_dir, kind="step")] == [1, 2, 3, 4, 3, 4, 5, 6,
-                                                                       7, 8]
-
-
-@pytest.mark.slow
-def test_a_full_disk_during_a_checkpoint_exits_8_with_one_line(tmp_path, data_cache,
-                                                                small_tmpfs):
-    """run.dir on a tmpfs with room for one checkpoint: the second one fails, the first stays."""
-    run_dir = small_tmpfs("24m") / "run"
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=6", cache_dir=data_cache)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 8, out
-    line = _one_error_line(out)
-    assert "No space left on device" in line and "step_0000004" in line
-    root = run_dir / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]  # no temporary left
-    assert verify_checkpoint(root / "step_0000002") is None
-    assert [r["step"] for r in read_metrics(run_dir, kind="step")] == [1, 2, 3, 4]
-
-
-SIGTERM_IN_SAVE = """
-import os, signal
-import training.checkpoint as ckpt
-
-save = ckpt.save_checkpoint
-
-
-def save_with_a_signal(root, step, *args, **kwargs):
-    if step == 2:  # SIGTERM arrives while this save is in flight
-        os.kill(os.getpid(), signal.SIGTERM)
-    return save(root, step, *args, **kwargs)
-
-
-ckpt.save_checkpoint = save_with_a_signal
-"""
-
-
-@pytest.mark.slow
-def test_sigterm_during_a_checkpoint_save_exits_75_right_after_it(tmp_path, data_cache):
-    script = patched_train_script(tmp_path / "sigterm_in_save.py", SIGTERM_IN_SAVE)
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *ARGS, "trainer.max_steps=6", cache_dir=data_cache, script=script)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 75, out
-    assert "Traceback" not in out
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000002"]
-    assert [r["step"] for r in read_metrics(run_dir, kind="step")] == [1, 2]  # not one more
-    (event,) = read_metrics(run_dir, kind="event")
-    assert event["event"] == "preempted" and event["step"] == 2
