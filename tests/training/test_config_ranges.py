@@ -1,6 +1,7 @@
 """Every numeric key has a range, declared on its schema's field and checked when the schema is
 built (OmegaConf.to_object runs __post_init__), before anything is written; a value outside a
-choice's values is refused when Hydra composes the config, before the run starts."""
+choice's values is refused when Hydra composes the config, before the run starts (train.py
+refusing both from the command line: tests/system/test_start_up.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import typing
 
 import pytest
 from omegaconf import OmegaConf
-from train_helpers import FAST, compose_train, run_train
+from train_helpers import compose_train
 
 from data.config import DataConfigError
 from errors import ConfigError
@@ -75,33 +76,6 @@ def test_validate_runs_the_data_groups_checks():
                                        ("trainer.adam_beta1", 0.0), ("trainer.weight_decay", 0.0)])
 def test_the_edges_of_a_range_are_accepted(key, value):
     validate(_with(DEMO, key, value), world_size=1)
-
-
-@pytest.mark.parametrize("overrides,key", [
-    (["trainer.save_every=0"], "trainer.save_every"), (["trainer.lr=-1"], "trainer.lr"),
-    (["precision=nvfp4", "precision.bf16_first_layers=20"], "precision.bf16_first_layers"),
-], ids=["trainer.save_every", "trainer.lr", "precision.bf16_first_layers"])
-def test_a_run_refused_for_a_bad_value_writes_nothing(tmp_path, data_cache, overrides, key):
-    """Exit 2 with one line naming the key, and no run directory (not even an empty one)."""
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *FAST, *overrides, cache_dir=data_cache, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: {key}="), out
-    assert "Traceback" not in out, out
-    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
-
-
-def test_a_run_refused_for_a_choice_outside_its_values_writes_nothing(tmp_path):
-    """Hydra refuses it while composing (exit 1), naming the key, the value and the choices."""
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *FAST, "trainer.on_nan=sometimes", timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    assert "Invalid value 'sometimes', expected one of [stop, skip]" in out, out
-    assert "full_key: trainer.on_nan" in out and "Traceback" not in out, out
-    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
 
 
 # -- the schemas check themselves: no list of keys ----------------------------------------------

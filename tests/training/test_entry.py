@@ -1,50 +1,13 @@
-"""train.py's start: what a process imports before it refuses, or when megatron's checkpoint
-writer re-imports train.py in its spawned helper (training/entry.py, train.py)."""
+"""train.py's start-up in-process (training/entry.py): the launched world size is read before
+joining the group, and a TE run refuses a recipe the environment changed. What a fresh process
+imports before it refuses, or when megatron's checkpoint writer re-imports train.py in its spawned
+helper: tests/system/test_start_up.py."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
 from train_helpers import REPO
-
-
-def _modules_after(code: str) -> set[str]:
-    """The top-level packages a fresh interpreter has imported after running `code`."""
-    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return set(proc.stdout.split("\n")[-2].split())
-
-
-def test_importing_train_py_as_a_module_imports_neither_torch_nor_megatron():
-    """megatron's writer (dist_checkpointing/strategies/filesystem_async.py,
-    _get_write_results_queue) spawns a helper that imports the main module: with torch and
-    megatron at train.py's top that cost ~2-4 s per run that checkpoints."""
-    loaded = _modules_after(f"import runpy; runpy.run_path({str(REPO / 'train.py')!r}, "
-                            "run_name='__mp_main__')")
-    assert "hydra" in loaded and not loaded & {"torch", "megatron", "training", "compat"}
-
-
-def test_a_config_refusal_comes_before_megatron_is_imported(tmp_path):
-    """A bad value is refused by the checks that need neither megatron nor the process group
-    (~2 s instead of ~6 on 2 cores), and nothing is written."""
-    run_dir = tmp_path / "run"
-    loaded = _modules_after(f"""
-from hydra import compose, initialize_config_dir
-from training.config import register_configs
-from training.entry import run
-register_configs()
-with initialize_config_dir({str(REPO / 'recipes')!r}, version_base=None):
-    raw = compose("train", overrides=["trainer=fast", "logger=disabled", "run.dir={run_dir}",
-                                      "parallel.tensor=3"])
-assert run(raw) == 2
-""")
-    assert "torch" in loaded and "megatron" not in loaded
-    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize("env, expected", [

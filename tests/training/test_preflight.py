@@ -406,21 +406,6 @@ def test_override_to_bf16_makes_the_12b_clean_at_tensor_8():
     assert not any("in_proj" in c.linear for c in report.checks)
 
 
-def test_start_up_refuses_a_failing_layout_before_writing(tmp_path, data_cache):
-    """exit 2 from run()'s validation; run.dir is never created."""
-    from train_helpers import FAST, run_train
-
-    run_dir = tmp_path / "run"
-    res = run_train(run_dir, *FAST, "precision=mxfp4", "model.ffn_hidden_size=1040",
-                    "trainer.max_steps=1", cache_dir=data_cache, timeout=300)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    text = res.stdout + res.stderr
-    assert "error: preflight: would fail on emulated: mlp.linear_fc1 Fprop (mxfp4)" in text
-    assert "N (out_features) 1040 not a multiple of 32" in text
-    assert "++precision.overrides={*.mlp.linear_fc1:bf16}" in text
-    assert not run_dir.exists()
-
-
 def test_a_layout_megatron_cannot_split_would_fail():
     """megatron asserts mamba heads/groups % tensor (mc 0.16.1 ssm/mamba_mixer.py:249-258): the
     preflight says so first, and lists the layouts per tensor size."""
