@@ -26,6 +26,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def rank_context(world: int, rank: int, tensor: int = 1):
+    """The ParallelContext of `rank` in a CPU world of `world` processes, `tensor`-way tensor
+    parallel and data parallel over the rest (one pipeline stage)."""
+    import torch
+
+    from training.distributed import ParallelContext
+
+    return ParallelContext(world_size=world, rank=rank, tensor=tensor, pipeline=1,
+                           data=world // tensor, tensor_rank=rank % tensor, pipeline_rank=0,
+                           data_rank=rank // tensor, device=torch.device("cpu"))
+
 # -- data ---------------------------------------------------------------------------------------
 
 
