@@ -1,7 +1,8 @@
 """Builders the tests share (the fixtures are in conftest.py): data configs over the demo corpus
 and over synthetic sources, model and training configs from the recipes, a free TCP port, and
-what the run-directory and checkpoint tests of both tiers do to files (a victim for planted
-links, a flipped byte, a pickle that runs code, a snapshot of a tree)."""
+downstream tasks that cannot be prepared, and what the run-directory and checkpoint tests of both
+tiers do to files (a victim for planted links, a flipped byte, a pickle that runs code, a
+snapshot of a tree)."""
 
 from __future__ import annotations
 
@@ -173,6 +174,39 @@ def unwritable_output(where: str, tmp_path: Path, name: str) -> Path:
         return Path("/sys/kernel") / name
     (tmp_path / "a_file").write_text("not a directory")
     return tmp_path / "a_file" / name
+
+
+
+# -- downstream tasks ---------------------------------------------------------------------------
+
+# An lm-eval task whose documents live on the Hugging Face Hub: offline, with an empty cache, it
+# cannot be prepared.
+NETWORK_TASK = """task: needs_the_hub
+dataset_path: nvfp4-tests/not-a-cached-dataset
+dataset_name: main
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{q}}"
+doc_to_choice: "{{c}}"
+doc_to_target: 0
+"""
+
+
+def task_with_a_malformed_line(tmp_path: Path) -> Path:
+    """A copy of a shipped task whose third document is a cut JSON line."""
+    import shutil
+
+    from training.downstream import SHIPPED_TASKS
+
+    for name in ("demo_arith_choice.yaml", "demo_arith_choice.jsonl", "loader.py"):
+        shutil.copy(SHIPPED_TASKS / name, tmp_path / name)
+    lines = (tmp_path / "demo_arith_choice.jsonl").read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]
+    (tmp_path / "demo_arith_choice.jsonl").write_text("\n".join(lines) + "\n")
+    yaml = tmp_path / "cut_arith.yaml"
+    yaml.write_text((tmp_path / "demo_arith_choice.yaml").read_text()
+                    .replace("task: demo_arith_choice", "task: cut_arith"))
+    return yaml
 
 
 # -- files and checkpoints ----------------------------------------------------------------------
