@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from training.grad_health import layer_name
 from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +27,11 @@ RESUMABLE = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval
 SIX_STEPS = [*FAST, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=100"]
 # The demo pattern (9 layers) over two pipeline stages, 5 + 4.
 TWO_STAGES = ["parallel.pipeline=2", "parallel.first_stage_layers=5"]
+
+# The demo pattern's layers (M-M*-M-M-) and the per-group gradient-health keys a step of it logs.
+KINDS = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp", "mamba", "mlp"]
+GROUPS = ["embedding", *(layer_name(i, KINDS) for i in range(9)), "final_norm", "output_layer"]
+HEALTH_KEYS = {f"grad/{g}/{s}" for g in GROUPS for s in ("norm", "nonfinite_frac")}
 
 
 def compose_train(*overrides: str):
