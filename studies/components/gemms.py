@@ -12,6 +12,7 @@ from nvfp4_recipe.hadamard import rht_matrix
 from nvfp4_recipe.linear import emulated_gemm
 from nvfp4_recipe.operands import GemmOperand, transpose_padded
 from nvfp4_recipe.mxfp4 import MX_BLOCK, mxfp4_dequantized_values
+from nvfp4_recipe.mxfp8 import mxfp8_dequantized_values
 from nvfp4_recipe.nvfp4 import BLOCK, nvfp4_scaled_values
 
 
@@ -32,6 +33,11 @@ def mxfp4_operand(t2d: torch.Tensor, stochastic: bool = False,
     return GemmOperand(mxfp4_dequantized_values(t2d, stochastic, generator, torch.float32), None)
 
 
+def mxfp8_operand(t2d: torch.Tensor) -> GemmOperand:
+    """An MXFP8 GEMM operand (E4M3, an E8M0 scale per 32 along the last dim), FP32 values."""
+    return GemmOperand(mxfp8_dequantized_values(t2d, torch.float32), None)
+
+
 def dequantized(op: GemmOperand) -> torch.Tensor:
     return op.values if op.decode_scale is None else op.values * op.decode_scale
 
@@ -39,10 +45,11 @@ def dequantized(op: GemmOperand) -> torch.Tensor:
 @dataclass(frozen=True)
 class Gemms:
     """One recipe's Fprop / Dgrad / Wgrad, composed from the public quantizers exactly as
-    nvfp4_recipe.linear's _NVFP4Ops / _MXFP4Ops compose them, with FP32 GEMMs (precision.gemm=
-    exact: the quantization error alone). For y = x W^T, x (T, K), W (N, K), dY (T, N):
-    Fprop Q(x) Q(W)^T, Dgrad Q(dY) Q(W) (blocks along N), Wgrad Q(dY^T) Q(x^T)^T (blocks along T,
-    after the RHT when on). SR applies to dY only; Dgrad draws before Wgrad, as the backward does."""
+    nvfp4_recipe.operands' _NVFP4Ops / _MXFP4Ops / _MXFP8Ops compose them, with FP32 GEMMs
+    (precision.gemm=exact: the quantization error alone). For y = x W^T, x (T, K), W (N, K),
+    dY (T, N): Fprop Q(x) Q(W)^T, Dgrad Q(dY) Q(W) (blocks along N), Wgrad Q(dY^T) Q(x^T)^T
+    (blocks along T, after the RHT when on). SR applies to dY only; Dgrad draws before Wgrad, as
+    the backward does. MXFP8 has neither RHT nor SR (TE's MXFP8BlockScaling)."""
 
     fmt: str = "nvfp4"
     rht: bool = True
@@ -56,6 +63,8 @@ class Gemms:
     def _q(self, t, tile_rows=1, stochastic=False, generator=None) -> GemmOperand:
         if self.fmt == "nvfp4":
             return nvfp4_operand(t, tile_rows, stochastic, generator)
+        if self.fmt == "mxfp8":
+            return mxfp8_operand(t)
         return mxfp4_operand(t, stochastic, generator)
 
     def weight_fprop(self, w):
@@ -86,6 +95,7 @@ class Gemms:
 
 NVFP4 = Gemms()
 MXFP4 = Gemms("mxfp4", rht=False, sr=False, weight_2d=False)  # MXFP4Config's defaults
+MXFP8 = Gemms("mxfp8", rht=False, sr=False, weight_2d=False)  # MXFP8Config: 1x32, nearest
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,8 +11,8 @@ from nvfp4_recipe.linear import emulated_gemm
 from nvfp4_recipe.mxfp4 import MX_BLOCK
 
 from . import REPO
-from .gemms import (MXFP4, NVFP4, Gemms, dequantized, flushed, generator, kurtosis_rows,
-                    mxfp4_operand, nvfp4_operand, rel, rel_norm)
+from .gemms import (MXFP4, MXFP8, NVFP4, Gemms, dequantized, flushed, generator, kurtosis_rows,
+                    mxfp4_operand, mxfp8_operand, nvfp4_operand, rel, rel_norm)
 
 
 ACCUMULATE_NS = (1, 2, 4, 8)  # micro-batches (sequences of one captured batch) accumulated
@@ -66,16 +66,21 @@ def measure_linear(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, key: str,
     out["dx_consistency/1d"] = rel(dx_1d, dyf @ w_fprop_1d)
     out["dx_consistency/2d"] = rel(dx_2d, dyf @ w_2d)
 
-    # NVFP4 vs MXFP4: operand errors (nearest rounding: the formats alone) and the recipes' GEMMs.
+    # NVFP4 vs MXFP4, and the 8-bit MXFP8 beside them: operand errors (nearest rounding: the
+    # formats alone) and the recipes' GEMMs (MXFP8's: 1x32 on every operand, nearest).
     for role, t, tile in (("x", x2d, 1), ("w", w, 1), ("dy", dy2d, 1)):
         out[f"operand_err/{role}/nvfp4"] = rel(dequantized(nvfp4_operand(t, tile)), t.float())
         out[f"operand_err/{role}/mxfp4"] = rel(dequantized(mxfp4_operand(t)), t.float())
+        out[f"operand_err/{role}/mxfp8"] = rel(dequantized(mxfp8_operand(t)), t.float())
     out["y_err/nvfp4"] = rel(NVFP4.fprop(x2d, w), y_ref)
     out["y_err/mxfp4"] = rel(MXFP4.fprop(x2d, w), y_ref)
+    out["y_err/mxfp8"] = rel(MXFP8.fprop(x2d, w), y_ref)
     out["dx_err/nvfp4"] = out["dx_err/2d"]
     out["dx_err/mxfp4"] = rel(MXFP4.dgrad(dy2d, w), dx_ref)
+    out["dx_err/mxfp8"] = rel(MXFP8.dgrad(dy2d, w), dx_ref)
     out["wgrad_err/nvfp4"] = out["wgrad_err/rht/sr"]
     out["wgrad_err/mxfp4"] = rel(MXFP4.wgrad(dy2d, x2d), dw_ref)
+    out["wgrad_err/mxfp8"] = rel(MXFP8.wgrad(dy2d, x2d), dw_ref)
 
     out.update(sr_accumulation(x, dy, key, point_state))
     return out

@@ -20,7 +20,7 @@ from .gemms import seed_for
 
 # The recipes of recipes/precision/ compared end to end on the captured batches.
 VARIANTS = ["nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_no_2d", "nvfp4_no_bf16_layers",
-            "nvfp4_naive", "mxfp4"]
+            "nvfp4_naive", "mxfp4", "mxfp8"]
 
 
 @functools.lru_cache(maxsize=None)

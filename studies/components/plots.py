@@ -180,19 +180,24 @@ def plot_layers(results: dict, s: dict, out: Path) -> str:
 
 
 def plot_formats(results: dict, s: dict, out: Path) -> str:
-    """NVFP4 against MXFP4: operands and GEMM outputs."""
+    """NVFP4 against MXFP4, and MXFP8 beside them where measured: operands and GEMM outputs."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     metrics = list(s["formats"])
-    for k, (fmt, color) in enumerate((("nvfp4", "tab:blue"), ("mxfp4", "tab:red"))):
+    formats = [("nvfp4", "tab:blue"), ("mxfp4", "tab:red")]
+    if all(s["formats"][m]["mxfp8"]["n"] for m in metrics):
+        formats.append(("mxfp8", "tab:green"))
+    width = 0.7 / len(formats)
+    for k, (fmt, color) in enumerate(formats):
         for i, metric in enumerate(metrics):
             m, e = err(s["formats"][metric][fmt])
-            ax.bar(i + (k - 0.5) * 0.35, m, 0.35, yerr=e, color=color, capsize=2,
-                   label=fmt.upper() if i == 0 else None)
+            ax.bar(i + (k - (len(formats) - 1) / 2) * width, m, width, yerr=e, color=color,
+                   capsize=2, label=fmt.upper() if i == 0 else None)
     ax.set_xticks(range(len(metrics)),
                   ["x", "W", "dY", "Fprop y", "Dgrad dX", "Wgrad dW"])
     ax.set_ylabel("relative error (%)")
-    ax.set_title("NVFP4 vs MXFP4: operands (nearest) and the recipes' GEMM outputs")
+    ax.set_title(" vs ".join(f.upper() for f, _ in formats)
+                 + ": operands (nearest) and the recipes' GEMM outputs")
     ax.legend()
     return _save(plt, fig, out, "formats.png")
 

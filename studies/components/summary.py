@@ -161,14 +161,18 @@ def summarize_w2d(results: dict, s: dict) -> None:
 
 
 def summarize_formats(results: dict, s: dict) -> None:
-    """Operand and GEMM errors, NVFP4 against MXFP4: into s[...]."""
+    """Operand and GEMM errors, NVFP4 against MXFP4, and MXFP8's beside them with the share of
+    NVFP4's error it removes (n = 0 where the results predate the MXFP8 measurements): into
+    s[...]."""
     s["formats"] = {}
     for metric in ("operand_err/x", "operand_err/w", "operand_err/dy", "y_err", "dx_err",
                    "wgrad_err"):
         s["formats"][metric] = {
             "nvfp4": interval(per_batch(results, f"{metric}/nvfp4")),
             "mxfp4": interval(per_batch(results, f"{metric}/mxfp4")),
-            "reduction": reduction(results, f"{metric}/mxfp4", f"{metric}/nvfp4")}
+            "reduction": reduction(results, f"{metric}/mxfp4", f"{metric}/nvfp4"),
+            "mxfp8": interval(per_batch(results, f"{metric}/mxfp8")),
+            "mxfp8_reduction": reduction(results, f"{metric}/nvfp4", f"{metric}/mxfp8")}
 
 
 def summarize_layers(results: dict, s: dict) -> None:
@@ -189,14 +193,17 @@ def summarize_layers(results: dict, s: dict) -> None:
 
 def summarize_variants(results: dict, s: dict) -> None:
     """Every recipe variant on the model against BF16, and paired against the recipe: into s[...]."""
+    # The variants these results measured (a results.json from before a variant was added
+    # lacks it; the report lists what was measured).
+    measured = [v for v in VARIANTS if model_values(results, f"dloss/{v}")]
     s["variants"] = {v: {"dloss": interval(model_values(results, f"dloss/{v}")),
                          "grad_err": interval(model_values(results, f"grad_err/{v}"))}
-                     for v in VARIANTS}
+                     for v in measured}
     paired = lambda a, b, m: interval([x - y for x, y in zip(model_values(results, f"{m}/{a}"),
                                                            model_values(results, f"{m}/{b}"))])
     s["variant_minus_recipe"] = {v: {"dloss": paired(v, "nvfp4", "dloss"),
                                      "grad_err": paired(v, "nvfp4", "grad_err")}
-                                 for v in VARIANTS if v != "nvfp4"}
+                                 for v in measured if v != "nvfp4"}
     s["bf16_layers_effect"] = {"dloss": paired("nvfp4_no_bf16_layers", "nvfp4", "dloss"),
                                "grad_err": paired("nvfp4_no_bf16_layers", "nvfp4", "grad_err")}
     s["mxfp4_effect"] = {"dloss": paired("mxfp4", "nvfp4", "dloss"),

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from studies.components import capture, gemms, measure, passes, stats, study
-from nvfp4_recipe import MXFP4Config, NVFP4Config, quantized_linear
+from nvfp4_recipe import MXFP4Config, MXFP8Config, NVFP4Config, quantized_linear
 from train_helpers import REPO
 
 SEQ, BATCH, VOCAB = 64, 2, 256
@@ -86,7 +86,7 @@ def test_t_quantiles_and_intervals():
 
 @pytest.mark.parametrize("fmt,rht,sr,weight_2d", [
     ("nvfp4", True, True, True), ("nvfp4", False, True, False), ("nvfp4", True, False, False),
-    ("nvfp4", False, False, True), ("mxfp4", False, False, False)])
+    ("nvfp4", False, False, True), ("mxfp4", False, False, False), ("mxfp8", False, False, False)])
 def test_study_gemms_are_the_recipes_gemms(fmt, rht, sr, weight_2d):
     """Fprop, Dgrad and Wgrad composed from the public quantizers equal quantized_linear's output
     and gradients bit for bit (FP32 GEMM), SR draws included: the study measures the recipe."""
@@ -94,8 +94,10 @@ def test_study_gemms_are_the_recipes_gemms(fmt, rht, sr, weight_2d):
     x = torch.randn(3, 16, 64, generator=gen).bfloat16()  # T = 48: Wgrad pads T for MXFP4's 32
     w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
     dy = (torch.randn(3, 16, 96, generator=gen) * 1e-3).bfloat16()
-    config = (NVFP4Config(rht=rht, stochastic_rounding=sr, weight_2d=weight_2d, gemm="exact",
-                          kernels="eager") if fmt == "nvfp4" else MXFP4Config(gemm="exact"))
+    config = {"nvfp4": lambda: NVFP4Config(rht=rht, stochastic_rounding=sr, weight_2d=weight_2d,
+                                           gemm="exact", kernels="eager"),
+              "mxfp4": lambda: MXFP4Config(gemm="exact"),
+              "mxfp8": lambda: MXFP8Config(gemm="exact")}[fmt]()
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     y = quantized_linear(xr, wr, None, config, torch.Generator().manual_seed(5))
     y.backward(dy)
@@ -163,6 +165,19 @@ def test_nvfp4_quantizes_every_operand_more_accurately_than_mxfp4(measured):
     for name, m in measured.items():
         for role in ("x", "w", "dy"):
             assert m[f"operand_err/{role}/nvfp4"] < m[f"operand_err/{role}/mxfp4"], (name, role)
+
+
+def test_mxfp8_quantizes_every_operand_and_gemm_more_accurately_than_nvfp4(measured):
+    """E4M3's 3 mantissa bits against E2M1's 1: every operand's error falls several-fold even with
+    MXFP8's larger (32) block and power-of-two scale (measured 2.8-3.6x on these tensors), and
+    each GEMM's output more (3.6-4.7x: NVFP4's recipe adds 16x16 weights and SR on dY); MXFP8's
+    operand errors sit at E4M3's rounding of these values, 2.6-2.7 %."""
+    for name, m in measured.items():
+        for role in ("x", "w", "dy"):
+            mx8, nv = m[f"operand_err/{role}/mxfp8"], m[f"operand_err/{role}/nvfp4"]
+            assert 0.02 < mx8 < 0.035 and mx8 < nv / 2.5, (name, role, mx8, nv)
+        for gemm in ("y_err", "dx_err", "wgrad_err"):
+            assert m[f"{gemm}/mxfp8"] < m[f"{gemm}/nvfp4"] / 3, (name, gemm)
 
 
 def test_rht_changes_nothing_but_the_quantization_and_spreads_outliers(demo):
@@ -233,6 +248,11 @@ def test_the_command_writes_the_report(tmp_path, data_cache):
     res = json.loads((out / "results.json").read_text())
     assert len(res["batches"]) == 3 and len(res["model"]) == 3
     assert res["reference_check"] and all(r["max_abs_diff"] == 0 for r in res["reference_check"])
+    # The format table has MXFP8 beside NVFP4 and MXFP4, and MXFP8 runs as a recipe variant.
+    assert "| reduction by MXFP8 vs NVFP4 |" in readme and "| `mxfp8` |" in readme
+    assert set(res["summary"]["variants"]) == set(passes.VARIANTS)
+    formats = res["summary"]["formats"]
+    assert all(row["mxfp8"]["mean"] < row["nvfp4"]["mean"] for row in formats.values())
     variants = {v: res["summary"]["variants"][v] for v in passes.VARIANTS}
     assert all(v["grad_err"]["mean"] > 0 for v in variants.values())
     # forward-only ingredients: RHT and SR act on the backward, so the loss is the recipe's
@@ -252,6 +272,40 @@ def test_the_committed_report_is_its_results_rendered():
     docs = REPO / "docs" / "components"
     results = report.read_results(docs)
     assert report.render_readme(results, summarize(results)) == (docs / "README.md").read_text()
+
+
+def test_the_report_shows_mxfp8_where_the_results_measured_it():
+    """A results.json from before MXFP8 was measured renders as it was committed (the 4-column
+    format table, no mxfp8 variant); with MXFP8's metrics (here the committed ones with MXFP8's
+    errors set to a third of NVFP4's) the table gains its two columns, the reading its line and
+    section 6 the `mxfp8` recipe."""
+    import copy
+
+    from studies.components import report
+    from studies.components.summary import summarize
+
+    committed = report.read_results(REPO / "docs" / "components")
+    old = report.render_readme(committed, summarize(committed))
+    assert "| quantity | NVFP4 | MXFP4 | reduction by NVFP4 |\n" in old
+    assert "MXFP8" not in old and "`mxfp8`" not in old
+
+    results = copy.deepcopy(committed)
+    for batch in results["batches"]:
+        for m in batch["linears"].values():
+            for metric in ("operand_err/x", "operand_err/w", "operand_err/dy", "y_err", "dx_err",
+                           "wgrad_err"):
+                m[f"{metric}/mxfp8"] = m[f"{metric}/nvfp4"] / 3
+    for record in results["model"]:
+        record["dloss/mxfp8"], record["grad_err/mxfp8"] = 0.0, record["grad_err/nvfp4"] / 3
+    s = summarize(results)
+    readme = report.render_readme(results, s)
+    assert "| reduction by NVFP4 | MXFP8 | reduction by MXFP8 vs NVFP4 |\n" in readme
+    row = next(line for line in readme.splitlines() if line.startswith("| x (activation) |"))
+    assert row.endswith(f"| {report.pct(s['formats']['operand_err/x']['mxfp8'], 100, '.2f')} | "
+                        f"{report.pct(s['formats']['operand_err/x']['mxfp8_reduction'])} |")
+    assert s["formats"]["operand_err/x"]["mxfp8_reduction"]["mean"] == pytest.approx(2 / 3)
+    assert "- **MXFP8** (8 bits, TE's default Blackwell recipe) removes +66.7 %" in readme
+    assert "| `mxfp8` |" in readme and list(s["variants"])[-1] == "mxfp8"
 
 
 def test_a_batchs_tokens_come_from_the_runs_shapes():
