@@ -1,25 +1,14 @@
-"""Tests of the CPU Mamba-2 mixer (model/mamba_mixer.py) and its chunked SSD scan (model/ssd.py)."""
+"""Tests of the CPU Mamba-2 mixer (model/mamba_mixer.py) and its chunked SSD scan (model/ssd.py)
+(at TP=2 over two processes: tests/system/test_mamba_mixer_tp2.py)."""
 
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from mamba_reference import TINY, build_mixer, mixer_config, naive_mixer_forward, naive_ssm
 
-# The spawned TP workers import this module again: the repository and tests/ must be on their path.
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ROOT = os.path.dirname(_TESTS)
-if _ROOT not in sys.path:  # the application runs from its checkout
-    sys.path.insert(0, _ROOT)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-
-from helpers import free_port  # noqa: E402
-
-from model.ssd import ssd_chunk_scan  # noqa: E402
+from model.ssd import ssd_chunk_scan
 
 
 @pytest.fixture(autouse=True)
@@ -30,30 +19,8 @@ def seeded():
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent references
+# Inputs (the independent references: tests/mamba_reference.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def naive_ssm(x, dt, A, B, C, D, h0=None):
-    """Step-by-step recurrence, one head at a time.
-
-    x (b, l, H, P); dt (b, l, H) (already positive); A (H,) negative; B, C (b, l, G, N); D (H,).
-    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T ;  y_t = h_t C_t + D x_t.  Head hh uses group
-    hh // (H // G).
-    """
-    b, l, H, P = x.shape
-    G, N = B.shape[2], B.shape[3]
-    per_group = H // G
-    h = torch.zeros(b, H, P, N, dtype=x.dtype) if h0 is None else h0.clone()
-    y = torch.empty_like(x)
-    for t in range(l):
-        for hh in range(H):
-            g = hh // per_group
-            decay = torch.exp(dt[:, t, hh] * A[hh])  # (b,)
-            inp = dt[:, t, hh, None, None] * x[:, t, hh, :, None] * B[:, t, g, None, :]  # (b,P,N)
-            h[:, hh] = decay[:, None, None] * h[:, hh] + inp
-            y[:, t, hh] = (h[:, hh] * C[:, t, g, None, :]).sum(-1) + D[hh] * x[:, t, hh]
-    return y, h
 
 
 def _rand_scan_inputs(b, l, H, P, G, N, dtype=torch.float64, seed=0):
@@ -139,78 +106,9 @@ def test_scan_low_precision_inputs_and_grads():
 # The mixer
 # ---------------------------------------------------------------------------------------------
 
-TINY = dict(hidden=64, heads=8, head_dim=16, state=16, groups=2)
-
-
-def _config(hidden, heads, head_dim, state, groups, **kw):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        use_cpu_initialization=True,
-        mamba_state_dim=state,
-        mamba_head_dim=head_dim,
-        mamba_num_groups=groups,
-        mamba_num_heads=heads,
-        **kw,
-    )
-
-
-def _mixer(config, **kw):
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
-    from model.mamba_mixer import MambaMixer, MambaMixerSubmodules
-
-    spec = ModuleSpec(
-        module=MambaMixer,
-        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
-        params=kw,
-    )
-    # Called the way megatron's MambaLayer builds its mixer, less pg_collection: the mixer then
-    # takes megatron's global (mpu) process groups.
-    return build_module(spec, config, d_model=config.hidden_size, layer_number=1)
-
-
-def naive_mixer_forward(m, h):
-    """Independent forward from the mixer's parameters: in_proj -> split -> causal conv (tap
-    loop) -> SiLU -> softplus dt -> naive recurrence -> y*silu(z) -> grouped RMSNorm -> out_proj."""
-    s, b, _ = h.shape
-    H, P, N, G = m.nheads, m.headdim, m.d_state, m.ngroups
-    d_in = H * P
-    zxbcdt = h @ m.in_proj.weight.t()  # [s, b, 2*d_in + 2*G*N + H]
-    z = zxbcdt[..., :d_in]
-    xbc = zxbcdt[..., d_in: 2 * d_in + 2 * G * N]
-    dt = zxbcdt[..., 2 * d_in + 2 * G * N:]
-    assert dt.shape[-1] == H
-    w = m.conv1d.weight[:, 0, :]  # [c, k]
-    k = w.shape[1]
-    conv = torch.zeros_like(xbc) + m.conv1d.bias
-    for j in range(k):  # out[t] = sum_j w[:, j] * in[t - (k-1) + j]
-        shift = k - 1 - j
-        if shift < s:
-            conv[shift:] += w[:, j] * xbc[: s - shift]
-    xbc = conv * torch.sigmoid(conv)
-    x = xbc[..., :d_in].permute(1, 0, 2).reshape(b, s, H, P)
-    Bm = xbc[..., d_in: d_in + G * N].permute(1, 0, 2).reshape(b, s, G, N)
-    Cm = xbc[..., d_in + G * N:].permute(1, 0, 2).reshape(b, s, G, N)
-    dt = torch.log1p(torch.exp(dt + m.dt_bias)).permute(1, 0, 2)  # softplus
-    A = -torch.exp(m.A_log)
-    y, _ = naive_ssm(x, dt, A, Bm, Cm, m.D)
-    y = y.reshape(b, s, d_in).permute(1, 0, 2)
-    g = y * (z * torch.sigmoid(z))
-    gs = d_in // G
-    gg = g.reshape(s, b, G, gs)
-    gg = gg / torch.sqrt((gg * gg).mean(-1, keepdim=True) + 1e-5)
-    g = gg.reshape(s, b, d_in) * m.norm.weight
-    return g @ m.out_proj.weight.t()
-
-
 def test_mixer_shapes_and_layout(parallel_context):
-    cfg = _config(**TINY)
-    m = _mixer(cfg)
+    cfg = mixer_config(**TINY)
+    m = build_mixer(cfg)
     d_in, gn, H = 8 * 16, 2 * 16, 8
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     assert shapes == {
@@ -238,8 +136,8 @@ def test_mixer_shapes_and_layout(parallel_context):
 def test_mixer_forward_matches_naive_reference(parallel_context, seqlen):
     """fp64 mixer forward (chunk 16, padded last chunk when s=37) == naive reference, tol 1e-10;
     out_bias is None (bias=False, skip_bias_add=True)."""
-    cfg = _config(**TINY)
-    m = _mixer(cfg, chunk_size=16).double()
+    cfg = mixer_config(**TINY)
+    m = build_mixer(cfg, chunk_size=16).double()
     with torch.no_grad():  # non-trivial norm / D so they are exercised
         m.norm.weight.uniform_(0.5, 1.5)
         m.D.uniform_(-1, 1)
@@ -259,11 +157,11 @@ def test_mixer_forward_matches_naive_reference(parallel_context, seqlen):
 
 def test_mixer_fp32_and_grads(parallel_context):
     """fp32 forward close to the fp64 reference; every parameter gets a finite nonzero grad."""
-    cfg = _config(**TINY)
-    m = _mixer(cfg, chunk_size=16)
+    cfg = mixer_config(**TINY)
+    m = build_mixer(cfg, chunk_size=16)
     h = torch.randn(45, 2, 64, requires_grad=True)
     out, _ = m(h)
-    m64 = _mixer(cfg, chunk_size=16).double()
+    m64 = build_mixer(cfg, chunk_size=16).double()
     m64.load_state_dict(m.state_dict())
     ref = naive_mixer_forward(m64, h.detach().double())
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
@@ -277,8 +175,8 @@ def test_mixer_fp32_and_grads(parallel_context):
 
 
 def test_mixer_bf16_autocast(parallel_context):
-    cfg = _config(**TINY)
-    m = _mixer(cfg, chunk_size=16)
+    cfg = mixer_config(**TINY)
+    m = build_mixer(cfg, chunk_size=16)
     h = torch.randn(40, 2, 64)
     ref, _ = m(h)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -288,7 +186,7 @@ def test_mixer_bf16_autocast(parallel_context):
 
 
 def test_mixer_rejects_inference_and_packing(parallel_context):
-    m = _mixer(_config(**TINY))
+    m = build_mixer(mixer_config(**TINY))
     h = torch.randn(5, 1, 64)
     with pytest.raises(NotImplementedError, match="inference"):
         m(h, inference_context=object())
@@ -298,9 +196,9 @@ def test_mixer_rejects_inference_and_packing(parallel_context):
 
 def test_mixer_12b_param_count_on_meta(parallel_context):
     """Nemotron-H 12B Mamba-2 mixer shape, built on the meta device."""
-    cfg = _config(hidden=5120, heads=128, head_dim=80, state=128, groups=8)
+    cfg = mixer_config(hidden=5120, heads=128, head_dim=80, state=128, groups=8)
     with torch.device("meta"):
-        m = _mixer(cfg)
+        m = build_mixer(cfg)
     assert all(p.device.type == "meta" for p in m.parameters())
     expected = (
         115_998_720  # in_proj 5120 x (2*10240 + 2*8*128 + 128)
@@ -323,8 +221,8 @@ def test_mixer_sharded_state_dict_tp1(parallel_context):
         apply_factories,
     )
 
-    cfg = _config(**TINY)
-    m = _mixer(cfg)
+    cfg = mixer_config(**TINY)
+    m = build_mixer(cfg)
     prefix = "decoder.layers.0.mixer."
     sd = m.sharded_state_dict(prefix=prefix)
     assert isinstance(sd[f"{prefix}in_proj.weight"], ShardedTensorFactory)
@@ -394,7 +292,7 @@ def test_mixer_inside_megatron_mamba_layer(parallel_context):
 
     from model.mamba_mixer import MambaMixer, MambaMixerSubmodules
 
-    cfg = _config(**TINY, normalization="RMSNorm", hidden_dropout=0.0)
+    cfg = mixer_config(**TINY, normalization="RMSNorm", hidden_dropout=0.0)
     spec = ModuleSpec(
         module=MambaLayer,
         submodules=MambaLayerSubmodules(
@@ -419,113 +317,6 @@ def test_mixer_inside_megatron_mamba_layer(parallel_context):
     keys = set(layer.sharded_state_dict(prefix="decoder.layers.0.").keys())
     assert "decoder.layers.0.mixer.in_proj.weight" in keys
     assert "decoder.layers.0.mixer.A_log" in keys and "decoder.layers.0.norm.weight" in keys
-
-
-# ---------------------------------------------------------------------------------------------
-# TP = 2 (two gloo processes)
-# ---------------------------------------------------------------------------------------------
-
-
-def _full_params(seed=0):
-    """Global ("megatron-global": [z; x; B; C; dt] rows) parameters for the TINY shape."""
-    g = torch.Generator().manual_seed(seed)
-    H, P, N, G, hid = TINY["heads"], TINY["head_dim"], TINY["state"], TINY["groups"], TINY["hidden"]
-    d_in = H * P
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    return dict(
-        z=r(d_in, hid) * 0.1, x=r(d_in, hid) * 0.1, B=r(G * N, hid) * 0.1, C=r(G * N, hid) * 0.1,
-        dt=r(H, hid) * 0.1,
-        conv_w=dict(x=r(d_in, 1, 4) * 0.3, B=r(G * N, 1, 4) * 0.3, C=r(G * N, 1, 4) * 0.3),
-        conv_b=dict(x=r(d_in) * 0.1, B=r(G * N) * 0.1, C=r(G * N) * 0.1),
-        dt_bias=torch.log(torch.expm1(torch.rand(H, generator=g, dtype=torch.float64) * 0.1 + 0.001)),
-        A_log=torch.log(torch.rand(H, generator=g, dtype=torch.float64) * 15 + 1),
-        D=r(H), norm=torch.rand(d_in, generator=g, dtype=torch.float64) + 0.5,
-        out=r(hid, d_in) * 0.1,
-    )
-
-
-def _tp_worker(rank, world, port):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-    from types import SimpleNamespace
-
-    from training.distributed import init_distributed, shutdown
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    init_distributed(world, 1, "gloo")
-    torch.manual_seed(0)
-    try:
-        cfg = _config(**TINY)
-        m = _mixer(cfg, chunk_size=16).double()
-        fp = _full_params()
-
-        def sl(t, parts):  # rank's slice of a dim-0 tensor split in `parts` equal shards
-            n = t.shape[0] // parts
-            return t[rank * n:(rank + 1) * n]
-
-        with torch.no_grad():
-            m.in_proj.weight.copy_(torch.cat([sl(fp[k], world) for k in ("z", "x", "B", "C", "dt")]))
-            m.conv1d.weight.copy_(torch.cat([sl(fp["conv_w"][k], world) for k in ("x", "B", "C")]))
-            m.conv1d.bias.copy_(torch.cat([sl(fp["conv_b"][k], world) for k in ("x", "B", "C")]))
-            m.dt_bias.copy_(sl(fp["dt_bias"], world))
-            m.A_log.copy_(sl(fp["A_log"], world))
-            m.D.copy_(sl(fp["D"], world))
-            m.norm.weight.copy_(sl(fp["norm"], world))
-            n = fp["out"].shape[1] // world
-            m.out_proj.weight.copy_(fp["out"][:, rank * n:(rank + 1) * n])
-        assert m.nheads_local_tp == TINY["heads"] // world
-        assert m.norm.group_size == TINY["heads"] * TINY["head_dim"] // TINY["groups"]
-
-        # forward == naive full-size reference
-        full = SimpleNamespace(
-            nheads=TINY["heads"], headdim=TINY["head_dim"], d_state=TINY["state"],
-            ngroups=TINY["groups"],
-            in_proj=SimpleNamespace(weight=torch.cat([fp[k] for k in ("z", "x", "B", "C", "dt")])),
-            conv1d=SimpleNamespace(
-                weight=torch.cat([fp["conv_w"][k] for k in ("x", "B", "C")]),
-                bias=torch.cat([fp["conv_b"][k] for k in ("x", "B", "C")]),
-            ),
-            dt_bias=fp["dt_bias"], A_log=fp["A_log"], D=fp["D"],
-            norm=SimpleNamespace(weight=fp["norm"]), out_proj=SimpleNamespace(weight=fp["out"]),
-        )
-        h = torch.randn(29, 2, TINY["hidden"], dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-        out, _ = m(h)
-        torch.testing.assert_close(out, naive_mixer_forward(full, h), atol=1e-10, rtol=0)
-
-        # sharded state dict: global shapes / offsets, and each shard's data is the global slice
-        sd = m.sharded_state_dict(prefix="mixer.")
-        apply_factories(sd)
-        flat = {}
-        for k, v in sd.items():
-            for e in (v if isinstance(v, list) else [v]):
-                if isinstance(e, ShardedTensor):
-                    flat[e.key] = e
-        globals_ = {
-            "mixer.in_proj.weight.z": fp["z"], "mixer.in_proj.weight.x": fp["x"],
-            "mixer.in_proj.weight.B": fp["B"], "mixer.in_proj.weight.C": fp["C"],
-            "mixer.in_proj.weight.dt": fp["dt"],
-            **{f"mixer.conv1d.weight.{k}": v for k, v in fp["conv_w"].items()},
-            **{f"mixer.conv1d.bias.{k}": v for k, v in fp["conv_b"].items()},
-            "mixer.dt_bias": fp["dt_bias"], "mixer.A_log": fp["A_log"], "mixer.D": fp["D"],
-            "mixer.norm.weight": fp["norm"], "mixer.out_proj.weight": fp["out"],
-        }
-        assert set(flat) == set(globals_), set(flat) ^ set(globals_)
-        for k, g in globals_.items():
-            st = flat[k]
-            assert tuple(st.global_shape) == tuple(g.shape), (k, st.global_shape, g.shape)
-            idx = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.local_shape))
-            torch.testing.assert_close(st.data, g[idx], atol=0, rtol=0, msg=k)
-    finally:
-        shutdown()
-
-
-@pytest.mark.slow
-def test_mixer_tp2_matches_full_reference_and_shards():
-    """TP=2 (2 gloo processes): forward == the naive full-size forward; the sharded state dict's
-    z/x/B/C/dt and x/B/C parts carry the global layout (global shape, offsets, data)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
@@ -574,7 +365,7 @@ def test_kernel_path_plumbing_with_fake_kernels(parallel_context, monkeypatch):
         groups = groups / torch.sqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
         return (groups.reshape(x.shape) * weight.double()).to(x.dtype)
 
-    m = _mixer(_config(**TINY), chunk_size=16)
+    m = build_mixer(mixer_config(**TINY), chunk_size=16)
     h = torch.randn(37, 2, 64)
     ref, _ = m(h)
     kernels = dict(causal_conv1d_fn=causal_conv1d_fn,
@@ -646,17 +437,17 @@ def test_use_kernels_true_names_the_missing_package(parallel_context, monkeypatc
     monkeypatch.setattr(mm, "_KERNELS", {"mamba_chunk_scan_combined": None, "rmsnorm_fn": None})
     cuda_input = types.SimpleNamespace(is_cuda=True)
     with pytest.raises(RuntimeError, match="use_kernels=True but causal_conv1d not importable"):
-        _mixer(_config(**TINY), use_kernels=True)._kernels_for(cuda_input)
-    assert set(_mixer(_config(**TINY))._kernels_for(cuda_input)) == {
+        build_mixer(mixer_config(**TINY), use_kernels=True)._kernels_for(cuda_input)
+    assert set(build_mixer(mixer_config(**TINY))._kernels_for(cuda_input)) == {
         "mamba_chunk_scan_combined", "rmsnorm_fn"}
-    assert _mixer(_config(**TINY))._kernels_for(torch.zeros(1)) == {}  # CPU: PyTorch path
+    assert build_mixer(mixer_config(**TINY))._kernels_for(torch.zeros(1)) == {}  # CPU: PyTorch path
 
 
 def test_gated_norm_eps_is_the_configs_layernorm_epsilon(parallel_context):
     """megatron hard-codes 1e-5 (mc 0.16.1 ssm/mamba_mixer.py:357); ours follows the config."""
     from model.mamba_mixer import gated_rmsnorm
 
-    m = _mixer(_config(**TINY, layernorm_epsilon=1e-3))
+    m = build_mixer(mixer_config(**TINY, layernorm_epsilon=1e-3))
     assert m.norm.eps == 1e-3
     y, z = torch.randn(5, 2, 128), torch.randn(5, 2, 128)  # d_inner 128 in 2 groups of 64
     torch.testing.assert_close(m.norm(y, z), gated_rmsnorm(y, z, m.norm.weight, 1e-3, 64))
