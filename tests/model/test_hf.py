@@ -1,8 +1,9 @@
 """Hugging Face round trips (model/hf.py, tools/hf_export.py), on CPU with small random models made here.
 
-Fast: the conversions in one process (project -> transformers logits, transformers -> project ->
-transformers weights, config checks, the 12B config.json). Slow: train.py and the export CLI as a
-user runs them (demo export + generate(); model.init_from at TP=1 and TP=2, both exported).
+The conversions in one process (project -> transformers logits, transformers -> project ->
+transformers weights, config checks, the 12B config.json). train.py and the export CLI as a user
+runs them (demo export + generate(); model.init_from at TP=1 and TP=2, both exported):
+tests/system/test_hf_runs.py.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
 from helpers import model_config, model_full_tensors  # noqa: E402
-from train_helpers import FAST, REPO, RESUMABLE, run_train, step_losses  # noqa: E402
+from hf_helpers import hf_model, random_hf_dir, rewrite_tensors, truncate  # noqa: E402
 
 from errors import ExitCode  # noqa: E402
 from model import hf  # noqa: E402
@@ -28,7 +27,6 @@ from model.build import build_model  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from tools import hf_export  # noqa: E402
-from training import run_reader  # noqa: E402
 
 # All three layer kinds, GQA (4 query heads on 2 KV groups), 2 Mamba groups; vocabulary 300,
 # padded to 384 by the project (the export strips it back to 300).
@@ -45,16 +43,6 @@ LOGITS_RTOL = 1e-5
 def _project_model(cfg: ModelConfig, dtype=torch.float32):
     return build_model(cfg, PrecisionConfig(), vocab_size=cfg.vocab_size, backend="emulated",
                        params_dtype=dtype).module.eval()
-
-
-def _hf_model(cfg: ModelConfig, vocab: int, dtype=torch.float32, **config_overrides):
-    from transformers import NemotronHForCausalLM
-
-    config = hf.hf_config(cfg, vocab, eos_token_id=0, pad_token_id=0,
-                          dtype=str(dtype).removeprefix("torch."))
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
-    return NemotronHForCausalLM(config).to(dtype).eval()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,7 +64,7 @@ def test_project_logits_match_transformers_with_fp32_gemms(parallel_context, mon
                 ours.decoder.layers[i].mixer.dt_bias[0] = -9.0
     state = hf.to_hf(model_full_tensors(ours), TINY, VOCAB)
     assert state["lm_head.weight"].shape == (VOCAB, TINY.hidden_size)  # padding stripped
-    theirs = _hf_model(TINY, VOCAB)
+    theirs = hf_model(TINY, VOCAB)
     theirs.load_state_dict(state, strict=True)
     ids = torch.randint(0, VOCAB, (2, 40))  # 40 tokens: 3 Mamba chunks of 16
     with torch.no_grad():
@@ -85,7 +73,7 @@ def test_project_logits_match_transformers_with_fp32_gemms(parallel_context, mon
     assert _rel(ours_logits, hf_logits) < LOGITS_RTOL
 
     # What the exported time_step_min removes: transformers' default clamp (0.001) changes them.
-    clamped = _hf_model(TINY, VOCAB, time_step_min=0.001)
+    clamped = hf_model(TINY, VOCAB, time_step_min=0.001)
     clamped.load_state_dict(state, strict=True)
     with torch.no_grad():
         assert _rel(ours_logits, clamped(ids).logits) > 10 * LOGITS_RTOL
@@ -96,25 +84,12 @@ def test_project_logits_match_transformers_with_fp32_gemms(parallel_context, mon
         assert torch.equal(torch.clamp(dt.to(dtype), min=floor), dt.to(dtype))
 
 
-def _random_hf_dir(tmp_path: Path, cfg: ModelConfig, vocab: int, **save_kwargs) -> tuple:
-    """A BF16 transformers model with every tensor random (not transformers' constant inits),
-    saved as safetensors; returns (dir, its state dict)."""
-    torch.manual_seed(1)
-    model = _hf_model(cfg, vocab, torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p, dtype=torch.float32) * 0.1)
-    out = tmp_path / "hf_in"
-    model.save_pretrained(out, **save_kwargs)
-    return out, {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def test_transformers_to_project_to_transformers_is_bit_identical(parallel_context,
                                                                    tmp_path):
     from transformers import AutoModelForCausalLM
 
     # Sharded on purpose: the import reads model.safetensors.index.json.
-    hf_dir, original = _random_hf_dir(tmp_path, TINY, VOCAB, max_shard_size="100KB")
+    hf_dir, original = random_hf_dir(tmp_path, TINY, VOCAB, max_shard_size="100KB")
     assert (hf_dir / "model.safetensors.index.json").is_file()
     cfg = dataclasses.replace(TINY, init_from=str(hf_dir))
     hf.check_init_from(cfg)  # the start-up check: config.json matches
@@ -134,7 +109,7 @@ def test_transformers_to_project_to_transformers_is_bit_identical(parallel_conte
 
 
 def test_a_mismatched_config_is_refused_naming_each_field(parallel_context, tmp_path):
-    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
+    hf_dir, _ = random_hf_dir(tmp_path, TINY, VOCAB)
     wrong = dataclasses.replace(TINY, hidden_size=128, pattern="M-*M", init_from=str(hf_dir))
     with pytest.raises(ValueError) as info:
         hf.check_init_from(wrong)  # before anything is built or written
@@ -176,35 +151,20 @@ def test_pickle_weights_are_refused_unopened(tmp_path):
     assert not_dir.value.code == ExitCode.CONFIG
 
 
-def _truncate(path: Path, keep: float = 0.5) -> None:
-    import os
-
-    os.truncate(path, int(path.stat().st_size * keep))
-
-
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_a_truncated_safetensors_file_is_refused_at_validate_naming_it(tmp_path, layout):
     """safetensors raises its own SafetensorError on a cut file; it becomes one ValueError line
     (exit 2 in train.py) at the start-up check, before anything is built or written."""
     save = {"max_shard_size": "100KB"} if layout == "sharded" else {}
-    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB, **save)
+    hf_dir, _ = random_hf_dir(tmp_path, TINY, VOCAB, **save)
     victim = sorted(hf_dir.glob("*.safetensors"))[-1]
-    _truncate(victim)
+    truncate(victim)
     with pytest.raises(ValueError) as info:
         hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
     message = str(info.value)
     assert isinstance(info.value, hf.HFError) and info.value.code == ExitCode.CONFIG
     assert f"model.init_from={hf_dir}: {victim.name} is truncated or corrupt" in message
     assert "\n" not in message
-
-
-def _rewrite(hf_dir: Path, change) -> None:
-    """Rewrite a single-file export's tensors through `change(tensors)`."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(hf_dir / "model.safetensors")
-    change(tensors)
-    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("fault, named", [
@@ -216,7 +176,7 @@ def test_a_tensor_list_that_does_not_fit_is_refused_at_validate_from_the_headers
         tmp_path, fault, named):
     """Missing, extra or misshapen tensors are found in the safetensors headers by the start-up
     check (train.py calls it before anything is written), not while loading, after run.dir."""
-    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
+    hf_dir, _ = random_hf_dir(tmp_path, TINY, VOCAB)
     # transformers 5 stores the NemotronH body as backbone.*, and names it model.* once loaded
     changes = {
         "missing": lambda t: t.pop("backbone.layers.2.mixer.k_proj.weight"),
@@ -224,7 +184,7 @@ def test_a_tensor_list_that_does_not_fit_is_refused_at_validate_from_the_headers
         "shape": lambda t: t.update({"backbone.layers.1.mixer.up_proj.weight":
                                      t["backbone.layers.1.mixer.up_proj.weight"][:64].clone()}),
     }
-    _rewrite(hf_dir, changes[fault])
+    rewrite_tensors(hf_dir, changes[fault])
     with pytest.raises(hf.HFError) as info:
         hf.check_init_from(dataclasses.replace(TINY, init_from=str(hf_dir)))
     assert info.value.code == ExitCode.CONFIG and named in str(info.value), str(info.value)
@@ -232,8 +192,8 @@ def test_a_tensor_list_that_does_not_fit_is_refused_at_validate_from_the_headers
 
 
 def test_a_nan_in_an_imported_tensor_is_named_as_it_loads(parallel_context, tmp_path):
-    hf_dir, _ = _random_hf_dir(tmp_path, TINY, VOCAB)
-    _rewrite(hf_dir, lambda t: t["backbone.layers.3.mixer.out_proj.weight"].view(-1)[5:7]
+    hf_dir, _ = random_hf_dir(tmp_path, TINY, VOCAB)
+    rewrite_tensors(hf_dir, lambda t: t["backbone.layers.3.mixer.out_proj.weight"].view(-1)[5:7]
              .copy_(torch.tensor([float("nan"), float("inf")])))
     cfg = dataclasses.replace(TINY, init_from=str(hf_dir))
     hf.check_init_from(cfg)  # the headers are fine
@@ -302,147 +262,3 @@ def test_export_refuses_bad_input_before_writing(tmp_path, capsys):
     with pytest.raises(hf.HFError, match="exists and is not empty.*--overwrite"):
         hf_export._check_output(out, overwrite=False)
     assert (out / "keep.txt").read_text() == "precious"
-
-
-# -- slow: train.py and the CLI as a user runs them -------------------------------------------
-
-TRAIN = [*FAST, "precision=bf16", "trainer.max_steps=2", "trainer.save_every=2",
-         "trainer.eval_every=100"]
-
-
-def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.hf_export", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-
-
-def _safetensors(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-@pytest.mark.slow
-def test_demo_run_exports_loads_in_transformers_and_generates(tmp_path, shared_runs, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    run_dir, _ = shared_runs.get(*RESUMABLE)  # BF16, checkpoints at steps 2 and 4
-    out = tmp_path / "hf"
-    proc = _export(run_dir, "--output", out, "--max-shard-size", "4MB")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (out / "model.safetensors.index.json").is_file()  # 12.5 MB of weights in shards
-    for name in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
-        assert (out / name).is_file(), name
-
-    # The exported tensors are the checkpoint's, split and stripped as documented.
-    full = run_reader.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000004")
-    cfg = run_reader.read_run(run_dir).model
-    expected = {k.replace("model.", "backbone.", 1): v
-                for k, v in hf.to_hf(full, cfg, 4096).items()}
-    written = _safetensors(out)
-    assert written.keys() == expected.keys()
-    assert all(torch.equal(written[k], v) for k, v in expected.items())
-
-    tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out)
-    ids = tok("def main():", return_tensors="pt")
-    generated = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    assert generated.shape[1] == ids["input_ids"].shape[1] + 8
-    assert isinstance(tok.decode(generated[0]), str)
-
-    # An existing output is never replaced without --overwrite (the CLI in this process: the
-    # same main() as above, without another interpreter start).
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert hf_export.main([str(run_dir), "--output", str(out)]) == 2
-    assert "--overwrite" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert hf_export.main([str(run_dir), "--output", str(out), "--overwrite",
-                    "--step", "2"]) == 0
-    assert not (out / "model.safetensors.index.json").exists()  # one 5GB-limit file now
-    assert _safetensors(out).keys() == expected.keys()
-    assert not list(tmp_path.glob(".*.tmp-*")) and not list(tmp_path.glob(".*.old-*"))
-    assert hf_export.main([str(run_dir), "--output", str(tmp_path / "other"),
-                    "--step", "7"]) == 2
-    assert "step_0000007" in capsys.readouterr().err and not (tmp_path / "other").exists()
-
-
-@pytest.mark.slow
-def test_init_from_at_tp1_and_tp2_then_export_is_bit_identical(tmp_path, data_cache):
-    """HF -> project (train.py, model.init_from) at TP=1 and TP=2 -> checkpoint -> HF.
-
-    lr = 1e-30 keeps every weight bit-identical through the one optimizer step (Adam moves a
-    weight by ~lr, far below half an FP32 ulp of any weight here; the decay factor 1 - lr x wd
-    rounds to 1), so the round trip and the TP=2 == TP=1 exports can be compared exactly."""
-    demo = ModelConfig()  # recipes/model/demo.yaml's shapes; the demo tokenizer has 4096 tokens
-    hf_dir, original = _random_hf_dir(tmp_path, demo, 4096)
-    frozen = [*FAST, "precision=bf16", "trainer.max_steps=1", "trainer.save_every=1",
-              "trainer.lr=1e-30", "trainer.min_lr=0", f"model.init_from={hf_dir}"]
-    exported = {}
-    for name, extra, nproc in (("tp1", [], 1), ("tp2", ["parallel.tensor=2"], 2)):
-        run_dir = tmp_path / name
-        proc = run_train(run_dir, *frozen, *extra, nproc=nproc, cache_dir=data_cache)
-        log = proc.stdout + proc.stderr
-        assert proc.returncode == 0, log
-        assert "model.init_from: loaded" in log, log
-        hf_export.export(run_dir, tmp_path / f"{name}_hf")
-        exported[name] = _safetensors(tmp_path / f"{name}_hf")
-    want = {k.replace("model.", "backbone.", 1): v for k, v in original.items()}
-    for name, tensors in exported.items():
-        assert tensors.keys() == want.keys(), name
-        for key, tensor in want.items():
-            assert torch.equal(tensors[key], tensor), (name, key)
-
-    # The first checkpoint is an ordinary one: the TP=2 run resumes at TP=1 (resharded), and
-    # its step 2 is the TP=1 run's step 2 exactly: the same weights bit for bit (lr 1e-30), the
-    # same batch, the same one-process computation. A resharding that misplaced any weight
-    # would change the loss.
-    losses = {}
-    for name in ("tp1", "tp2"):
-        proc = run_train(tmp_path / name, *frozen, "trainer.max_steps=2", cache_dir=data_cache)
-        log = proc.stdout + proc.stderr
-        assert proc.returncode == 0, log
-        assert "resumed from" in log
-        assert ("resharded from tensor 2" in log) == (name == "tp2"), log
-        losses[name] = step_losses(tmp_path / name)
-    assert losses["tp1"][2] == losses["tp2"][2], losses
-    # The HF model was random: step 2's loss is near ln(4096) = 8.3, far from 0 or a NaN.
-    assert 7.0 < losses["tp1"][2] < 10.0, losses
-
-
-@pytest.mark.slow
-def test_train_py_refuses_a_truncated_init_from_with_one_line_writing_nothing(tmp_path, data_cache):
-    hf_dir, _ = _random_hf_dir(tmp_path, ModelConfig(), 4096)
-    _truncate(hf_dir / "model.safetensors", keep=0.9)
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *TRAIN, f"model.init_from={hf_dir}", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 2, log
-    errors = [line for line in log.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "model.safetensors is truncated or corrupt" in errors[0], log
-    assert "Traceback" not in log and not run_dir.exists()
-
-
-@pytest.mark.slow
-def test_train_py_refuses_an_init_from_missing_a_tensor_writing_nothing(tmp_path, data_cache):
-    hf_dir, _ = _random_hf_dir(tmp_path, ModelConfig(), 4096)
-    _rewrite(hf_dir, lambda t: t.pop("backbone.layers.1.mixer.down_proj.weight"))
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *TRAIN, f"model.init_from={hf_dir}", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == ExitCode.CONFIG, log
-    assert "no model.layers.1.mixer.down_proj.weight" in log and "Traceback" not in log
-    assert not run_dir.exists()
-
-
-@pytest.mark.slow
-def test_train_py_refuses_a_mismatched_init_from_writing_nothing(tmp_path, data_cache):
-    hf_dir, _ = _random_hf_dir(tmp_path, dataclasses.replace(ModelConfig(), hidden_size=128), 4096)
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *TRAIN, f"model.init_from={hf_dir}", cache_dir=data_cache)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 2, log
-    assert "model.hidden_size=256 but hidden_size=128" in log and "Traceback" not in log
-    assert not run_dir.exists()

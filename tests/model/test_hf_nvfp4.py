@@ -1,10 +1,11 @@
 """NVFP4 serving exports (model/hf_nvfp4.py, `tools.hf_export --weights nvfp4`).
 
-Fast: a small NVFP4 model (all three layer kinds, a BF16 first and last layer, an override kept
+A small NVFP4 model (all three layer kinds, a BF16 first and last layer, an override kept
 BF16) whose input amax is recorded by a real forward, written as a run directory; the export runs
 end to end in this process and is checked with compressed-tensors' own decompression, the
 ModelOpt dequantization formula, transformers' loader and the project's quantizer.
-Slow: a TP=2 NVFP4 demo run, exported in both formats, resumed with its amax window.
+A TP=2 NVFP4 demo run, exported in both formats, resumed with its amax window:
+tests/system/test_hf_runs.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
 from helpers import model_full_tensors  # noqa: E402
+from hf_helpers import load_safetensors, saved_key  # noqa: E402
 from model import hf, hf_nvfp4  # noqa: E402
 from model.build import build_model, precision_policy  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
@@ -27,7 +29,6 @@ from nvfp4_recipe.megatron.input_amax import (InputAmaxRecorder,  # noqa: E402
 from nvfp4_recipe.nvfp4 import nvfp4_scaled_values, quantize_nvfp4, tensor_scales  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from tools import hf_export  # noqa: E402
-from training import run_reader  # noqa: E402
 
 # Every linear a whole number of 16x16 tiles (as NVFP4 training requires): in_proj has
 # 2 x 128 + 2 x 2 x 16 + 16 = 336 rows.
@@ -87,15 +88,6 @@ def write_run(root: Path, tokenizer: str, weights, amax_state, prec: PrecisionCo
     return run
 
 
-def load_dir(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
 def forward_operands(weights, prec: PrecisionConfig) -> dict[str, tuple]:
     """{transformers module: (q*s FP32 rows, S_dec)}: the weight operand of the emulated Fprop
     (nvfp4_recipe.linear's weight_fprop: nvfp4_scaled_values of the BF16 weight), split as the
@@ -119,10 +111,6 @@ def policy_key(module: str) -> str:
     _, _, index, hf_name = module.split(".", 3)
     return next(f"layers.{index}.{mg}" for mg, names in hf_nvfp4.HF_MODULES.items()
                 if hf_name in names)
-
-
-def saved(name: str) -> str:
-    return "backbone." + name[len("model."):] if name.startswith("model.") else name
 
 
 @pytest.fixture
@@ -157,14 +145,14 @@ def test_compressed_tensors_decompresses_to_the_forward_operands(exports, traine
 
     weights, amax_state = trained
     prec, bf16_dir, out = exports("compressed-tensors", weight_2d)
-    tensors, dense = load_dir(out), load_dir(bf16_dir)
+    tensors, dense = load_safetensors(out), load_safetensors(bf16_dir)
     operands = forward_operands(weights, prec)
     amax, steps = running_input_amax(amax_state)
     assert steps == 2 and set(amax) == {k for k, f in nvfp4_linears(prec).items() if f == "nvfp4"}
     scheme = QuantizationScheme(targets=["Linear"], **NVFP4)
     bf16_ulp_diffs = 0
     for module, (values, s_dec) in operands.items():
-        name = saved(module)
+        name = saved_key(module)
         packed = tensors[f"{name}.weight_packed"]
         scale = tensors[f"{name}.weight_scale"]
         glob = tensors[f"{name}.weight_global_scale"]
@@ -195,7 +183,7 @@ def test_compressed_tensors_decompresses_to_the_forward_operands(exports, traine
     assert bf16_ulp_diffs <= total * 1e-3, (bf16_ulp_diffs, total)
 
     # Every BF16 tensor is the BF16 export's; the ignore list is exactly the BF16 linears.
-    packed_names = {saved(m) for m in operands}
+    packed_names = {saved_key(m) for m in operands}
     for name, tensor in dense.items():
         if name.removesuffix(".weight") not in packed_names:
             assert torch.equal(tensors[name], tensor), name
@@ -217,7 +205,7 @@ def test_the_packed_linears_are_4_5_bits_per_weight_on_disk(exports):
         for file in out.glob("*.safetensors"):
             with safe_open(str(file), "pt") as f:
                 dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
-        tensors = load_dir(out)
+        tensors = load_safetensors(out)
         packed = [k for k in tensors if k.endswith(".weight_packed" if fmt == "compressed-tensors"
                                                     else ".weight") and tensors[k].dtype == torch.uint8]
         assert len(packed) == 7  # layers 1-3: up/down, q/k/v/o, in_proj (out_proj is BF16)
@@ -238,11 +226,11 @@ def test_modelopt_export_dequantizes_by_modelopts_formula(exports, trained):
     value * per_block_scale (:407). weight_scale_2 is the forward's S_dec (decode direction)."""
     weights, amax_state = trained
     prec, bf16_dir, out = exports("modelopt")
-    tensors = load_dir(out)
+    tensors = load_safetensors(out)
     e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
     amax, _ = running_input_amax(amax_state)
     for module, (values, s_dec) in forward_operands(weights, prec).items():
-        name = saved(module)
+        name = saved_key(module)
         packed, scale = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
         scale_2 = tensors[f"{name}.weight_scale_2"]
         assert packed.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn
@@ -336,7 +324,7 @@ def test_transformers_loads_the_export_and_matches_the_nvfp4_weight_forward(
 
 def test_weights_only_export_has_no_input_scales(exports):
     _, _, out = exports("compressed-tensors", weights_only=True)
-    tensors = load_dir(out)
+    tensors = load_safetensors(out)
     assert not [k for k in tensors if k.endswith("input_global_scale")]
     group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert group["group_0"]["input_activations"] is None
@@ -512,8 +500,8 @@ def test_zero_amax_weights_only_exports_that_linear_w4a16_and_the_rest_unchanged
     assert said.startswith(f"warning: {QKV}: recorded input amax is 0 over the 2-step window")
     assert said.endswith("exported weights-only (W4A16, no input scale): " + ", ".join(QKV_MODULES))
 
-    tensors, reference = load_dir(out), load_dir(ref)
-    dropped = {f"{saved(m)}.input_global_scale" for m in QKV_MODULES}
+    tensors, reference = load_safetensors(out), load_safetensors(ref)
+    dropped = {f"{saved_key(m)}.input_global_scale" for m in QKV_MODULES}
     assert dropped <= set(reference) and not dropped & set(tensors)
     assert set(tensors) == set(reference) - dropped
     for name, tensor in tensors.items():  # codes, scales, other input scales: unchanged
@@ -524,7 +512,7 @@ def test_zero_amax_weights_only_exports_that_linear_w4a16_and_the_rest_unchanged
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     ref_config = json.loads((ref / "config.json").read_text())["quantization_config"]
     groups = config["config_groups"]
-    w4a4 = sorted({saved(k).replace("backbone.", "model.", 1).rsplit(".", 1)[0]
+    w4a4 = sorted({saved_key(k).replace("backbone.", "model.", 1).rsplit(".", 1)[0]
                    for k in reference if k.endswith(".input_global_scale")} - set(QKV_MODULES))
     assert groups["group_0"]["targets"] == w4a4 and len(w4a4) == 4  # fc1, fc2, o_proj, in_proj
     assert groups["group_0"]["input_activations"] == \
@@ -600,7 +588,7 @@ def test_every_nvfp4_linear_weights_only_leaves_one_w4a16_group(tmp_path, monkey
     out = tmp_path / "out"
     assert hf_export.main([str(run), "--output", str(out), "--weights", "nvfp4",
                            "--zero-amax", "weights-only"]) == 0
-    assert not [k for k in load_dir(out) if k.endswith("input_global_scale")]
+    assert not [k for k in load_safetensors(out) if k.endswith("input_global_scale")]
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert list(groups) == ["group_1"] and groups["group_1"]["input_activations"] is None
     assert len(groups["group_1"]["targets"]) == 7  # up/down, q/k/v, o, in_proj
@@ -618,61 +606,3 @@ def test_serving_export_refuses_a_weights_only_linear_in_modelopt(exports, train
     with pytest.raises(hf.HFError, match="model.layers.2.mixer.k_proj: a weights-only linear"):
         hf_nvfp4.serving_export("modelopt", hf.to_hf(weights, TINY, VOCAB), packed, inputs,
                                 hf_nvfp4.bf16_linear_names(TINY, formats))
-
-
-# -- slow: train.py at TP=2 and the CLI as a user runs them ------------------------------------
-
-@pytest.mark.slow
-def test_a_tp2_nvfp4_run_records_amax_resumes_it_and_exports_both_formats(tmp_path, data_cache):
-    """A TP=2 NVFP4 demo run records the input amax of every NVFP4 linear (the row-parallel
-    ones all-reduced over their K-slices), keeps the window across a resume, and exports in
-    both formats; the packed codes and scales are the project's quantization of the checkpoint's
-    full weights (what a TP=1 forward computes: the TP=2 forward quantized each shard with its
-    own tensor scale, which no serving format can hold — docs/serving.md)."""
-    from train_helpers import FAST, run_train
-
-    run_dir = tmp_path / "run"
-    args = [*FAST, "precision=nvfp4", "trainer.max_steps=2", "trainer.save_every=1",
-            "trainer.eval_every=100", "parallel.tensor=2"]
-    proc = run_train(run_dir, *args, nproc=2, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    files = run_reader.read_run(run_dir)
-    formats = hf_export.nvfp4_formats(files)
-    step1 = torch.load(run_dir / "checkpoints" / "step_0000001" / "trainer.pt", weights_only=True)
-    step2 = run_dir / "checkpoints" / "step_0000002"
-    amax, steps = running_input_amax(torch.load(step2 / "trainer.pt",
-                                                weights_only=True)["input_amax"])
-    assert steps == 2 and set(amax) == {k for k, f in formats.items() if f == "nvfp4"}
-    assert all(v > 0 for v in amax.values())
-    assert running_input_amax(step1["input_amax"])[1] == 1
-    # Resumed at TP=1 for one more step: the window goes on (3 rows), every linear recorded.
-    proc = run_train(run_dir, *args[:-1], "trainer.max_steps=3", cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    state = torch.load(run_dir / "checkpoints" / "step_0000003" / "trainer.pt", weights_only=True)
-    assert running_input_amax(state["input_amax"])[1] == 3
-
-    full = run_reader.read_checkpoint_weights(step2)
-    packed = hf_nvfp4.packed_linears(full, files.model, formats, weight_2d=True)
-    for fmt in hf_nvfp4.FORMATS:
-        out = tmp_path / fmt
-        hf_export.export(run_dir, out, step=2, weights="nvfp4", fmt=fmt)
-        tensors = load_dir(out)
-        code = "weight_packed" if fmt == "compressed-tensors" else "weight"
-        for module, p in packed.items():
-            assert torch.equal(tensors[f"{saved(module)}.{code}"], p.packed), (fmt, module)
-            assert torch.equal(tensors[f"{saved(module)}.weight_scale"].view(torch.uint8),
-                               p.scales.view(torch.uint8)), (fmt, module)
-    # The codes are the Fprop operand: q * s of nvfp4_scaled_values on the full BF16 weight.
-    key = next(k for k, f in formats.items() if f == "nvfp4")
-    _, index, name = key.split(".", 2)
-    w = hf_nvfp4.megatron_weight(full, files.model, int(index), name)
-    values, _ = nvfp4_scaled_values(w.to(torch.bfloat16), 16, dtype=torch.float32,
-                                    kernels="eager")
-    first = packed[f"model.layers.{index}.{hf_nvfp4.HF_MODULES[name][0]}"]
-    q = quantize_nvfp4(w.to(torch.bfloat16), (16, 16), kernels="eager")
-    assert torch.equal(q.data[: first.packed.shape[0]], first.packed)
-    from nvfp4_recipe.formats import decode_e2m1
-
-    n, k = values.shape
-    q_times_s = decode_e2m1(q.codes()).view(n, k // 16, 16) * q.scales.float().unsqueeze(-1)
-    assert torch.equal(q_times_s.view(n, k), values)
