@@ -75,7 +75,7 @@ def recompute(function, *args, implementation: str, tp_group=None):
     Every implementation recomputes under the RNG state of the first forward and runs the
     region's backward after restoring the backward's own state, so stochastic-rounding draws
     (made in the backward, from the default generator) are the ones a run without recompute
-    makes (tests/model/test_recompute.py)."""
+    makes (tests/model/test_recompute.py, tests/system/test_recompute_steps.py)."""
     if implementation == "te":
         from megatron.core.extensions.transformer_engine import te_checkpoint
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker

@@ -142,6 +142,15 @@ def model_full_tensors(module) -> dict:
     return out
 
 
+def recompute_settings() -> list:
+    """The recompute settings the tests compare: megatron's none, selective and full, and full's
+    uniform and block methods."""
+    from model.recompute import RecomputeConfig
+
+    return [RecomputeConfig(), RecomputeConfig("selective"), RecomputeConfig("full"),
+            RecomputeConfig("full", "uniform", 2), RecomputeConfig("full", "block", 3)]
+
+
 def train_config(model: str = "demo", precision=None, *, tensor: int = 1, pipeline: int = 1,
                  seq_length=None, micro_batch_size=None, global_batch_size=None, run_dir=None):
     """A TrainConfig dataclass (as run() passes it) with the given model recipe and precision."""
