@@ -12,6 +12,7 @@ from data.prepare import cli, tokenizing
 from data.prepare.pieces import plan_pieces
 from data.prepare.readers import iter_records
 from errors import ExitCode
+from tests.prepare_helpers import no_temporaries, write_jsonl
 
 TEXTS = [
     "Hello world.\nA second line.",
@@ -19,14 +20,6 @@ TEXTS = [
     "def f(x):\n    return x * 2\n",
     "  leading and trailing whitespace  \n\n",
 ]
-
-
-def _jsonl(path, texts, extra_lines=()):
-    with open(path, "wb") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t, "id": 1}).encode() + b"\n")
-        for line in extra_lines:
-            f.write(line + b"\n")
 
 
 def _decode_all(prefix, tok_path):
@@ -42,23 +35,19 @@ def _decode_all(prefix, tok_path):
     return out
 
 
-def _no_tmp(d):
-    return not [p for p in os.listdir(d) if ".tmp-" in p]
-
-
 def test_round_trip_jsonl(tmp_path, tiny_tokenizer):
-    _jsonl(tmp_path / "in.jsonl", TEXTS)
+    write_jsonl(tmp_path / "in.jsonl", TEXTS)
     out = tmp_path / "out" / "ds"
     assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"]) == 0
     assert _decode_all(str(out), tiny_tokenizer) == TEXTS
     meta = json.loads((tmp_path / "out" / "ds.json").read_text())
     assert meta["documents"] == len(TEXTS) and meta["bad_records"] == {}
-    assert _no_tmp(tmp_path / "out")
+    assert no_temporaries(tmp_path / "out")
 
 
 def test_bad_lines_counted_and_reported(tmp_path, tiny_tokenizer, capsys):
     bad = [b"{not json", json.dumps({"body": "x"}).encode(), json.dumps({"text": 3}).encode(), b'{"text": "bad \xff"}']
-    _jsonl(tmp_path / "in.jsonl", TEXTS[:2], bad)
+    write_jsonl(tmp_path / "in.jsonl", TEXTS[:2], bad)
     out = tmp_path / "ds"
     assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--no-progress"]) == 0
     meta = json.loads((tmp_path / "ds.json").read_text())
@@ -70,17 +59,17 @@ def test_bad_lines_counted_and_reported(tmp_path, tiny_tokenizer, capsys):
 
 
 def test_strict_fails_naming_file_and_line(tmp_path, tiny_tokenizer, capsys):
-    _jsonl(tmp_path / "in.jsonl", TEXTS, [b"{oops"])
+    write_jsonl(tmp_path / "in.jsonl", TEXTS, [b"{oops"])
     out = tmp_path / "ds"
     rc = cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out), "--strict", "--no-progress"])
     assert rc == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'in.jsonl'}:5: malformed JSON" in capsys.readouterr().err.replace("\n", "")
     assert not os.path.exists(str(out) + ".bin") and not os.path.exists(str(out) + ".idx")
-    assert _no_tmp(tmp_path)
+    assert no_temporaries(tmp_path)
 
 
 def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch):
-    _jsonl(tmp_path / "in.jsonl", TEXTS * 50)
+    write_jsonl(tmp_path / "in.jsonl", TEXTS * 50)
     real, calls = tokenizing.encode_batch, []
 
     def dying(batch):
@@ -94,14 +83,14 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, tiny_tokenizer, monkeypatch
     rc = cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
                    "--batch-bytes", "200", "--no-progress"])
     assert rc == 130 and len(calls) == 2
-    assert not IndexedDataset.exists(str(out)) and _no_tmp(tmp_path)
+    assert not IndexedDataset.exists(str(out)) and no_temporaries(tmp_path)
 
 
 def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, monkeypatch,
                                                      capsys):
     """Even a crash inside commit (after .bin is in place) leaves no .idx: not a dataset; the
     error is one line (exit 8: the output cannot be written)."""
-    _jsonl(tmp_path / "in.jsonl", TEXTS)
+    write_jsonl(tmp_path / "in.jsonl", TEXTS)
     real_replace = os.replace
 
     def replace(src, dst):
@@ -119,12 +108,12 @@ def test_crash_between_renames_does_not_look_complete(tmp_path, tiny_tokenizer, 
 
 
 def test_refuses_overwrite_unless_asked(tmp_path, tiny_tokenizer, capsys):
-    _jsonl(tmp_path / "in.jsonl", TEXTS)
+    write_jsonl(tmp_path / "in.jsonl", TEXTS)
     out = str(tmp_path / "ds")
     args = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", out, "--no-progress"]
     assert cli.main(args) == 0
     before = open(out + ".bin", "rb").read()
-    _jsonl(tmp_path / "in.jsonl", TEXTS[:1])
+    write_jsonl(tmp_path / "in.jsonl", TEXTS[:1])
     assert cli.main(args) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert open(out + ".bin", "rb").read() == before
@@ -154,7 +143,7 @@ def test_missing_input_is_usage_error(tmp_path, tiny_tokenizer):
 
 def test_workers_give_identical_output(tmp_path, tiny_tokenizer):
     texts = [f"document {i}: " + " ".join(["alpha", "beta", "gamma"][i % 3] for _ in range(i % 17 + 1)) for i in range(400)]
-    _jsonl(tmp_path / "in.jsonl", texts, [b"{bad"])
+    write_jsonl(tmp_path / "in.jsonl", texts, [b"{bad"])
     base = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--no-progress", "--batch-bytes", "2000"]
     assert cli.main(base + ["--output", str(tmp_path / "w1")]) == 0
     assert cli.main(base + ["--output", str(tmp_path / "w2"), "--workers", "2"]) == 0
@@ -177,7 +166,7 @@ def test_temporaries_of_a_dead_writer_are_removed_by_the_next_run(tmp_path, tiny
     them when the pid is dead on this host; a live writer's and another host's stay."""
     import socket
 
-    _jsonl(tmp_path / "in.jsonl", TEXTS)
+    write_jsonl(tmp_path / "in.jsonl", TEXTS)
     out = tmp_path / "ds"
     host = socket.gethostname()
     dead = [f"ds.tmp-{_dead_pid()}@{host}-0123abcd{ext}" for ext in (".bin", ".idx")]
@@ -193,31 +182,6 @@ def test_temporaries_of_a_dead_writer_are_removed_by_the_next_run(tmp_path, tiny
     assert _decode_all(str(out), tiny_tokenizer) == TEXTS
 
 
-@pytest.mark.slow
-def test_sigkill_mid_way_then_a_rerun_leaves_no_temporaries(tmp_path, tiny_tokenizer):
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    texts = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 40 + 1) for i in range(60000)]
-    _jsonl(tmp_path / "in.jsonl", texts)
-    out = tmp_path / "ds"
-    args = [str(tmp_path / "in.jsonl"), "--tokenizer", tiny_tokenizer, "--output", str(out),
-            "--no-progress", "--batch-bytes", "20000"]
-    proc = subprocess.Popen([sys.executable, "-m", "data.prepare", *args],
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    deadline = time.time() + 120
-    while not [p for p in os.listdir(tmp_path) if ".tmp-" in p]:
-        assert proc.poll() is None and time.time() < deadline, "no temporary appeared"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not _no_tmp(tmp_path) and not IndexedDataset.exists(str(out))  # what the kill left
-    assert cli.main(args) == 0
-    assert _no_tmp(tmp_path) and IndexedDataset.exists(str(out))
-
-
 def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_tokenizer, capsys):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\nna\xefve\n\xff\xfe\n")
     rc = cli.main([str(tmp_path / "latin1.txt"), "--tokenizer", tiny_tokenizer, "--text-doc", "line",
@@ -226,7 +190,7 @@ def test_no_documents_says_every_record_was_dropped_as_invalid(tmp_path, tiny_to
     assert rc == ExitCode.BAD_INPUT
     assert "no documents in the input: all 3 records were dropped, 3 as invalid (3 invalid UTF-8)" in err
     assert "latin1.txt:1: invalid UTF-8 at byte 3" in err
-    assert not IndexedDataset.exists(str(tmp_path / "ds")) and _no_tmp(tmp_path)
+    assert not IndexedDataset.exists(str(tmp_path / "ds")) and no_temporaries(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +233,7 @@ def _ids(prefix):
 
 def test_parquet_and_saved_datasets_give_the_jsonl_tokens(tmp_path, tiny_tokenizer):
     texts = [f"{TEXTS[i % len(TEXTS)]} #{i}" for i in range(60)]
-    _jsonl(tmp_path / "in.jsonl", texts)
+    write_jsonl(tmp_path / "in.jsonl", texts)
     _write_parquet(tmp_path / "in.parquet", texts, row_group_size=16)
     _save_to_disk_dir(tmp_path / "saved", [texts[:25], texts[25:]])
     run = ["--tokenizer", tiny_tokenizer, "--no-progress", "--batch-bytes", "300"]
@@ -302,7 +266,7 @@ def test_parquet_bad_values_are_counted_with_file_and_row(tmp_path, tiny_tokeniz
                                     f"{tmp_path / 'x.parquet'}:row 3: invalid UTF-8 at byte 3"]
     assert cli.main(args + ["--strict", "--output", str(tmp_path / "strict")]) == ExitCode.BAD_INPUT
     assert f"{tmp_path / 'x.parquet'}:row 1: field 'body' is null (--strict)" in capsys.readouterr().err
-    assert not IndexedDataset.exists(str(tmp_path / "strict")) and _no_tmp(tmp_path)
+    assert not IndexedDataset.exists(str(tmp_path / "strict")) and no_temporaries(tmp_path)
 
 
 @pytest.mark.parametrize("column,message", [
@@ -368,7 +332,7 @@ def test_hf_tokenizer_directory_frames_documents_with_its_bos_and_eos(tmp_path, 
               "tokenizer_class": "PreTrainedTokenizerFast"}
     tok = _hf_tokenizer_dir(tmp_path / "tok", config, post_bos)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    _jsonl(tmp_path / "in.jsonl", ["alpha beta", "gamma"])
+    write_jsonl(tmp_path / "in.jsonl", ["alpha beta", "gamma"])
     assert cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output",
                      str(tmp_path / "ds"), "--no-progress"]) == 0
     plain = [tok.encode(t, add_special_tokens=False).ids for t in ("alpha beta", "gamma")]
@@ -379,7 +343,7 @@ def test_hf_tokenizer_directory_frames_documents_with_its_bos_and_eos(tmp_path, 
 
 def test_hf_tokenizer_directory_without_eos_is_refused(tmp_path, tiny_tokenizer, capsys):
     _hf_tokenizer_dir(tmp_path / "tok", {"bos_token": "<s>"})
-    _jsonl(tmp_path / "in.jsonl", ["alpha"])
+    write_jsonl(tmp_path / "in.jsonl", ["alpha"])
     rc = cli.main([str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output", str(tmp_path / "ds")])
     assert rc == 2
     assert "tokenizer_config.json has no eos_token: it is needed to end every document" in capsys.readouterr().err

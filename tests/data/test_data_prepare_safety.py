@@ -6,91 +6,22 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from data.indexed import open_indexed
-from data.prepare import cli, tokenizing
+from data.prepare import cli
 from errors import ExitCode
 from tests.helpers import unwritable_output
-
-REPO = Path(__file__).resolve().parents[2]
-TEXTS = [f"document {i}: " + "alpha beta gamma " * (i % 7 + 1) for i in range(40)]
-OTHER = [f"another corpus {i}: delta epsilon" for i in range(25)]
-
-
-def jsonl(path: Path, texts) -> Path:
-    path.write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts))
-    return path
-
-
-def args(inputs, tok, output, *extra):
-    return [*map(str, inputs), "--tokenizer", tok, "--output", str(output), "--no-progress", *extra]
-
-
-def decoded(prefix, tok_path):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tok_path)
-    ds = open_indexed(str(prefix))
-    return [tok.decode(ds[i].tolist()[:-1]) for i in range(len(ds))]
+from tests.prepare_helpers import (OTHER, TEXTS, args, decoded, hook_first_batch, jsonl,
+                                   one_error_line)
 
 
 def files_under(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
-
-
-def hook_first_batch(monkeypatch, action):
-    """Run `action()` once, while the run tokenizes its first batch (between start and commit)."""
-    real, done = tokenizing.encode_batch, []
-
-    def encode(batch):
-        if not done:
-            done.append(action())
-        return real(batch)
-
-    monkeypatch.setattr(tokenizing, "encode_batch", encode)
-    return done
-
-
 # -- two data.prepare runs on one output prefix ------------------------------------------------
-
-
-def test_a_second_prepare_on_the_same_prefix_is_refused_while_the_first_runs(
-        tmp_path, tiny_tokenizer, monkeypatch, capsys):
-    """The later run starts while the earlier tokenizes: refused at once naming the first (it
-    would otherwise replace the earlier's dataset, or be replaced by it); once the first has
-    finished, the output exists and the later run is refused as before."""
-    out = tmp_path / "o" / "web"
-    mine, theirs = jsonl(tmp_path / "a.jsonl", TEXTS), jsonl(tmp_path / "b.jsonl", OTHER)
-
-    def second():
-        return subprocess.run([sys.executable, "-m", "data.prepare",
-                               *args([theirs], tiny_tokenizer, out)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
-
-    seen = hook_first_batch(monkeypatch, second)
-    assert cli.main(args([mine], tiny_tokenizer, out, "--batch-bytes", "200")) == 0
-    proc = seen[0]
-    assert proc.returncode == ExitCode.IN_USE, proc.stdout + proc.stderr
-    line = one_error_line(proc.stderr)
-    assert f"{out}: another data.prepare is writing it" in line and f"pid {os.getpid()}" in line
-    assert decoded(out, tiny_tokenizer) == TEXTS
-    assert sorted(p.name for p in out.parent.iterdir()) == ["web.bin", "web.idx", "web.json"]
-
-    capsys.readouterr()
-    assert cli.main(args([theirs], tiny_tokenizer, out)) == 2  # after: "output exists"
-    assert "refusing to overwrite" in one_error_line(capsys.readouterr().err)
-    assert decoded(out, tiny_tokenizer) == TEXTS
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

@@ -1,6 +1,7 @@
 """Sharded preparation (`data.prepare --shard I/N`), `--check`, and schedules that glob the shards.
 
-The Slurm array that runs the shards is tested in test_data_prepare_slurm.py.
+The Slurm array that runs the shards, and train.py on globbed shards:
+tests/system/test_data_prepare_runs.py.
 """
 
 from __future__ import annotations
@@ -11,42 +12,15 @@ import random
 
 import numpy as np
 import pytest
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from data.indexed import open_indexed
 from data.prepare import cli
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-
-
-def write_corpus(d, sizes=(300, 900, 120), seed=0, bad_every=97):
-    """JSONL files of random-length documents (one .gz), with a malformed line now and then."""
-    import gzip
-
-    rng = random.Random(seed)
-    d.mkdir(parents=True, exist_ok=True)
-    for k, n in enumerate(sizes):
-        lines = []
-        for i in range(n):
-            lines.append(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 80)))}))
-            if i % bad_every == 5:
-                lines.append("{not json")
-        data = ("\n".join(lines) + "\n").encode()
-        if k == 2:
-            with gzip.open(d / f"part{k}.jsonl.gz", "wb") as f:
-                f.write(data)
-        else:
-            (d / f"part{k}.jsonl").write_bytes(data)
-    return d
+from tests.prepare_helpers import WORDS, make_shards, prepare, write_corpus
 
 
 def documents(prefix):
     ds = open_indexed(str(prefix))
     return [np.array(ds[i]) for i in range(len(ds))]
-
-
-def prepare(inputs, tok, output, *extra):
-    return cli.main([*map(str, inputs), "--tokenizer", tok, "--output", str(output), "--no-progress", *extra])
 
 
 def shards_of(out, n):
@@ -171,13 +145,6 @@ def test_check_counts_tokens_and_names_each_bad_shard(tmp_path, tiny_tokenizer, 
 # schedules whose prefixes are globs
 
 
-def make_shards(root, tok, n, name="web", sizes=(300, 300, 300), seed=0):
-    corpus = write_corpus(root / f"in_{name}", sizes=sizes, seed=seed)
-    for i in range(n):
-        assert prepare([corpus], tok, root / name, "--shard", f"{i}/{n}") == 0
-    return [str(root / f"{name}_shard{i}") for i in range(n)]
-
-
 def glob_config(root, tok, web_prefixes, weights=None):
     from data.config import CategoryConfig, DataConfig, PhaseConfig
 
@@ -249,46 +216,3 @@ def test_an_empty_shard_is_complete_and_left_out_of_the_glob(tmp_path, tiny_toke
     assert cli.main(["--check", str(tmp_path / "web")]) == 0
     bundle = build(glob_config(tmp_path, tiny_tokenizer, [str(tmp_path / "web_shard*")]))
     assert len(bundle.train.sources) == 2
-
-
-@pytest.mark.slow
-def test_training_on_globbed_shards_trains_and_resumes_bit_for_bit(tmp_path, tiny_tokenizer, data_cache):
-    """train.py with a schedule whose categories glob data.prepare shards: it trains, and a run
-    resumed from its step-3 checkpoint reproduces the uninterrupted losses."""
-    from train_helpers import FAST, rewound_copy, run_train, step_losses
-    from training.metrics import read_metrics
-
-    make_shards(tmp_path / "d", tiny_tokenizer, 3, name="web", sizes=(800, 800, 300))
-    make_shards(tmp_path / "d", tiny_tokenizer, 2, name="code", sizes=(500, 100, 100), seed=7)
-    make_shards(tmp_path / "d", tiny_tokenizer, 2, name="val", sizes=(200, 50, 50), seed=9)
-    recipes = tmp_path / "recipes" / "data"
-    recipes.mkdir(parents=True)
-    (recipes / "globbed.yaml").write_text(f"""
-name: globbed
-tokenizer: {tiny_tokenizer}
-categories:
-  web: {{prefixes: ["{tmp_path}/d/web_shard*"]}}
-  code: {{prefixes: ["{tmp_path}/d/code_shard*"]}}
-validation:
-  web: ["{tmp_path}/d/val_shard*"]
-phases:
-  - {{name: a, end_fraction: 0.5, weights: {{web: 0.7, code: 0.3}}}}
-  - {{name: b, end_fraction: 1.0, weights: {{web: 0.3, code: 0.7}}}}
-""")
-    args = [*FAST, f"hydra.searchpath=[file://{tmp_path / 'recipes'}]", "data=globbed",
-            "trainer.max_steps=6", "trainer.save_every=3", "trainer.eval_every=3"]
-    straight = tmp_path / "straight"
-    proc = run_train(straight, *args, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    expected = step_losses(straight)
-    assert sorted(expected) == [1, 2, 3, 4, 5, 6] and expected[6] < expected[1]
-    records = read_metrics(straight)
-    last = [r for r in records if "loss" in r][-1]
-    assert last["data/tokens/web"] > 0 and last["data/tokens/code"] > 0 and "val_loss" in last
-
-    resumed = rewound_copy(straight, tmp_path / "resumed", 3)
-    proc = run_train(resumed, *args, cache_dir=data_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resumed from" in proc.stdout and "step_0000003" in proc.stdout
-    assert step_losses(resumed) == expected
-    assert not any(IndexedDataset.exists(str(p)[:-4]) for p in (tmp_path / "d").glob("*.tmp-*"))
