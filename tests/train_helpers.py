@@ -16,6 +16,9 @@ from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
+# The launchers that start train.py on a cluster: torchrun on one node, and the Slurm batch job.
+TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
+SLURM_SBATCH = REPO / "launch" / "slurm.sbatch"
 
 # The demo at test size (seconds per step on 2 cores: recipes/trainer/fast.yaml), without W&B.
 FAST = ["trainer=fast", "logger=disabled"]

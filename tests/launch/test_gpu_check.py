@@ -1,18 +1,16 @@
 """The pieces of the offline GPU check that can be proven on CPU: the Triton-SSD comparison's
 loader and its verdicts (model/ssd_check.py), the offline install of launch/gpu_check.sh, its
 time plan and resume verdict (launch/gpu_check_plan.py), the GPU-path verdicts
-(launch/gpu_path_check.py: syncs per micro-batch from recorded warnings, SDPA backends), and the
-script's whole CPU mode."""
+(launch/gpu_path_check.py: syncs per micro-batch from recorded warnings, SDPA backends). The
+script itself in its CPU mode (the offline install, the budget, every part):
+tests/system/test_launch_scripts.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -122,63 +120,6 @@ def test_ssd_check_cli_skips_without_cuda(tmp_path, capsys):
     assert ssd_check.main(["--json", str(tmp_path / "r.json")]) == ExitCode.SKIPPED
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("skipped: needs a CUDA device")
     assert json.loads((tmp_path / "r.json").read_text())["loaded"] is False
-
-
-def _probe_wheel(folder: Path) -> Path:
-    """A minimal pure wheel, standing in for the wheelhouse's megatron-core & co."""
-    path = folder / "gpu_check_probe-1.0-py3-none-any.whl"
-    info = "gpu_check_probe-1.0.dist-info"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("gpu_check_probe/__init__.py", "VALUE = 7\n")
-        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: gpu-check-probe\nVersion: 1.0\n")
-        z.writestr(f"{info}/WHEEL",
-                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{info}/RECORD", "")
-    return path
-
-
-@pytest.mark.slow
-def test_deps_installs_the_wheelhouse_offline_beside_the_environment(tmp_path):
-    wheels, site, out = tmp_path / "wheels", tmp_path / "site", tmp_path / "out"
-    wheels.mkdir()
-    _probe_wheel(wheels)
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "WHEELS": str(wheels),
-           "GPU_CHECK_SITE": str(site), "GPU_CHECK_PARTS": "deps", "PIP_NO_INDEX": "1"}
-    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    summary = (out / "summary.md").read_text()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "| deps | ok |" in summary and "| bench | skipped: not in GPU_CHECK_PARTS=deps |" in summary
-    assert "Installed offline with --no-deps" in summary and "gpu-check-probe" in summary
-    assert (site / "gpu_check_probe" / "__init__.py").exists()  # beside, not inside, the venv
-    assert "- ok megatron-core" in summary and "(present)" in summary
-    # a second run finds it installed and installs nothing
-    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "Installed offline" not in (out / "summary.md").read_text()
-    # no wheelhouse where WHEELS points: a failed deps row, exit 10
-    env["WHEELS"] = str(tmp_path / "nowhere")
-    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    summary = (out / "summary.md").read_text()
-    assert proc.returncode == ExitCode.CHECK_FAILED
-    assert f"| deps | FAILED (WHEELS={tmp_path / 'nowhere'} is not a folder" in summary
-
-
-@pytest.mark.slow
-def test_parts_past_the_runs_budget_are_skipped_with_the_reason(tmp_path):
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_NO_INSTALL": "1",
-           "GPU_CHECK_SITE": str(tmp_path / "site"), "GPU_CHECK_BUDGET_S": "20"}
-    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    summary = (out / "summary.md").read_text()
-    assert proc.returncode == 0, proc.stdout[-3000:]  # skipped is not failed
-    for name in ("gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync", "demo_bf16", "resume",
-                 "demo_nvfp4", "bench"):
-        assert re.search(rf"^\| {name} \| skipped: needs ~\d+ s, \d+ s of the run's 20 s budget "
-                         r"\(GPU_CHECK_BUDGET_S\) left \|", summary, flags=re.M), name
-    assert "Planned from the parts' estimates" in summary
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip")
@@ -450,62 +391,3 @@ def test_resume_demo_copies_one_checkpoint_and_checks_what_the_run_said(tmp_path
     (step_dir(demo, 2) / "manifest.json").write_text(json.dumps({"optimizer_layout": "fully_reshardable"}))
     assert resume_demo(demo, into, 2, 0.0, 1, run + ["0"]) == (
         False, "the checkpoint holds the optimizer state in layout 'fully_reshardable', not 'dp_reshardable'")
-
-
-@pytest.mark.slow
-def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp_path, data_cache,
-                                                                             monkeypatch):
-    """`OUT=... GPU_CHECK_QUICK=1 bash launch/gpu_check.sh` without CUDA: the CUDA parts skip with
-    the reason, the warm-up, the demos, the resume (same losses, bitwise on CPU) and the bench pass.
-    Then the resume part's own command, resumed with another learning rate, fails at step 4."""
-    out = tmp_path / "gpu_check"
-    proc = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OUT": str(out), "GPU_CHECK_QUICK": "1", "COLUMNS": "200",
-                               "PYTHON": sys.executable, "GPU_CHECK_NO_INSTALL": "1",
-                               "GPU_CHECK_SITE": str(tmp_path / "site"), "NVFP4_CACHE": str(data_cache)},
-                          timeout=600)
-    summary = (out / "summary.md").read_text()
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    rows = re.findall(r"^\| (\w+) \| (.+) \| \d+ s \|$", summary, flags=re.M)
-    assert [name for name, _ in rows] == ["deps", "gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync",
-                                          "demo_bf16", "resume", "demo_nvfp4", "bench"]
-    status = dict(rows)
-    if torch.cuda.is_available():
-        pytest.skip("the CPU-mode rows below are for a machine without CUDA")
-    for name in ("gpu_path", "gpu_sync"):
-        assert status[name] == "skipped: needs a CUDA device; none visible to torch", name
-    assert status["cuda_tests"] == "skipped: needs a CUDA device (none visible to torch)"
-    assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
-    for name in ("deps", "warmup", "demo_bf16", "resume", "demo_nvfp4", "bench"):
-        assert status[name] == "ok", (name, status[name])
-    assert "- ok megatron-core" in summary
-    # demo_bf16 ran 2 + 2 steps with a checkpoint at 2; the resume trained steps 3-4 from it, bitwise
-    assert re.search(r"- demo_bf16: 4 steps, loss [0-9.]+ -> [0-9.]+", summary)
-    assert re.search(r"- resume: ok: steps 3-4 from the step-2 checkpoint: losses 3: [0-9.]+, 4: [0-9.]+, "
-                     r"equal to the uninterrupted run's \(largest relative difference 0\.0e\+00; first 1 bitwise\); "
-                     r"optimizer state dp_reshardable", summary)
-    assert (out / "resume" / "checkpoints" / "step_0000004").is_dir()
-    assert "resumed from" in (out / "resume.log").read_text()
-    assert "Planned from the parts' estimates" in summary and "- bench: runs (limit" in summary
-    assert "MAMBA_DETERMINISTIC=1" in summary
-    # what tests/benchmarks/test_bench.py checked of the CPU mode before these parts existed
-    for name in ("gpu_check.log", "hardware.json", "bench.json", "bench.md", "cuda_tests.xml", "cuda_tests.log",
-                 "ssd_triton.json", "demo_bf16/metrics.jsonl", "demo_nvfp4/metrics.jsonl", "plan.txt"):
-        assert (out / name).exists(), name
-    assert "NO CUDA DEVICE" in proc.stdout and "No CUDA device was visible" in summary
-    assert re.search(r"- demo_nvfp4: 2 steps, loss [0-9.]+ -> [0-9.]+, median tokens/s", summary)
-    assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 2
-    assert summary.count("trainer.checkpoint_layout=dp_reshardable") == 2
-    assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 2
-    assert "precision nvfp4: emulated GEMMs" in summary and "## bench" in summary
-    # the same resume with another learning rate: step 3 (the restored weights' forward) still
-    # equal, step 4 not; the command is the one the script ran (its log line), run.dir moved
-    from launch.gpu_check_plan import resume_demo
-
-    line = next(l for l in (out / "gpu_check.log").read_text().splitlines() if "== resume (limit" in l)
-    train = line.split(" -- ", 1)[1].split()
-    bad = tmp_path / "resumed_other_lr"
-    train = [f"run.dir={bad}" if a.startswith("run.dir=") else a for a in train] + ["trainer.lr=1.0e-2"]
-    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
-    ok, why = resume_demo(out / "demo_bf16", bad, 2, 0.0, 1, train)
-    assert not ok and why.startswith("step 4: loss "), why
