@@ -69,6 +69,33 @@ target before its q/k/v names: with weights-only linears every group therefore l
 modules by name. ModelOpt's `quant_algo: NVFP4` has one algorithm for every quantized linear
 (each with an `input_scale`); a per-linear W4A16 needs its MIXED_PRECISION layout, which this
 export does not write, so that combination is refused.
+
+MXFP8 linears (a linear whose forward ran in MXFP8: `precision=mxfp8`, or an override such as
+the Nemotron 3 map's Mamba out_proj) are written, in the compressed-tensors export, in
+compressed-tensors' own MXFP8 format, which vLLM serves, with the forward's weight operand:
+nvfp4_recipe.mxfp8.quantize_mxfp8 of the BF16 weight, 1x32 blocks along K (TE's rowwise copy,
+what Fprop multiplies), bit for bit.
+- compressed-tensors 0.20.1, format "mxfp8-quantized" (config/base.py:33): tensors `weight`
+  float8_e4m3fn (N, K) and `weight_scale` uint8 (N, K/32) holding the biased E8M0 exponent e,
+  scale 2**(e - 127) (compressors/mxfp8/base.py:28-104, mx_utils.py:18-44); dequantization
+  multiplies, `x_q * scale` (compressors/naive_quantized/base.py:99-124); the preset MXFP8
+  (quantization/quant_scheme.py:315-336): weights and dynamic input activations, 8-bit float,
+  group 32, strategy group, scale_dtype uint8. The activations are quantized by the serving
+  engine per call (no input scale is stored). A model with NVFP4 and MXFP8 groups has the
+  global format "mixed-precision" and a format per group (quantization/quant_config.py:360-364).
+- vLLM 0.33.0 (wheel, read not run): `_is_mxfp8` (8-bit float, group 32, symmetric, strategy
+  group, scale_dtype uint8: compressed_tensors/compressed_tensors.py:491-510) selects
+  CompressedTensorsW8A8Mxfp8 (:814-815), which loads `weight` float8_e4m3fn (N, K) and
+  `weight_scale` uint8 (N, K/32) (schemes/compressed_tensors_w8a8_mxfp8.py:40-77; dtypes
+  utils/mxfp8_utils.py:9-11) and decodes them as `x * 2**(e - 127)` (dequant_mxfp8_to_bf16,
+  mxfp8_utils.py:230-243); each group's own `format` is used (compressed_tensors.py:349-356),
+  and its input_activations read because they are given (:359-375). Every group then names its
+  modules, as for weights-only NVFP4 linears: a "Linear" target would take a fused qkv_proj
+  before its q/k/v names.
+In the ModelOpt export the MXFP8 linears are written in BF16 (listed in exclude_modules):
+ModelOpt's `quant_algo` names one algorithm for the whole model and this export does not write
+its per-layer MIXED_PRECISION layout. The export says which (its log and nvfp4_export.json's
+`mxfp8_linears`).
 """
 
 from __future__ import annotations
@@ -80,12 +107,14 @@ from typing import Mapping, Optional
 import torch
 
 from nvfp4_recipe.formats import FP32_MAX
+from nvfp4_recipe.mxfp8 import MX_BLOCK, quantize_mxfp8
 from nvfp4_recipe.nvfp4 import BLOCK, quantize_nvfp4, tensor_scales
 
 from .config import ModelConfig
 from .hf import HFError, _in_proj_parts, split_qkv
 
 FORMATS = ("compressed-tensors", "modelopt")
+MXFP8_FORMAT = "mxfp8-quantized"  # compressed-tensors' name for MXFP8 weights (module docstring)
 # The format versions whose definitions this module follows (see the docstring).
 COMPRESSED_TENSORS_VERSION = "0.20.1"
 MODELOPT_VERSION = "0.47.0"
@@ -113,6 +142,14 @@ class PackedLinear:
 
 
 @dataclass
+class MXFP8Linear:
+    """One transformers linear's MXFP8 weight, as compressed-tensors stores it."""
+
+    weight: torch.Tensor  # float8_e4m3fn (N, K): E4M3 values
+    scale: torch.Tensor  # uint8 (N, K/32): biased E8M0 exponents e, scale 2**(e - 127)
+
+
+@dataclass
 class ServingExport:
     """What write_hf_dir writes for a quantized export (names as NemotronHForCausalLM's)."""
 
@@ -121,6 +158,13 @@ class ServingExport:
     extra_files: dict[str, dict] = field(default_factory=dict)
     bf16_linears: list[str] = field(default_factory=list)  # transformers module names
     weights_only: list[str] = field(default_factory=list)  # NVFP4 linears without input scale
+
+
+def forward_formats(formats: Mapping[str, str]) -> dict[str, str]:
+    """{linear: the format its forward (Fprop) ran in}: the weights a serving export writes are
+    the forward's, whatever the backward ran in. A per-pass format (the policy's PassFormats,
+    "fprop/dgrad/wgrad") gives its `fprop`; a plain name is all three passes'."""
+    return {key: str(getattr(fmt, "fprop", fmt)) for key, fmt in formats.items()}
 
 
 def megatron_weight(full: Mapping[str, torch.Tensor], cfg: ModelConfig, index: int,
@@ -176,6 +220,34 @@ def packed_linears(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
             out[dst + hf_name] = PackedLinear(p.contiguous(),
                                               s.contiguous().view(torch.float8_e4m3fn),
                                               s_enc.float(), s_dec.float())
+    return out
+
+
+def mxfp8_linears(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                  formats: Mapping[str, str]) -> dict[str, MXFP8Linear]:
+    """{transformers module name: MXFP8Linear} of every linear whose forward ran in MXFP8: the
+    emulated Fprop's weight operand (linear.py: the BF16 weight, quantize_mxfp8 with 1x32
+    blocks along K), split as the BF16 export splits it (a block never spans two rows, so the
+    q/k/v rows keep their scales). HFError (exit 2) for a K that is not whole blocks."""
+    out = {}
+    for key, fmt in forward_formats(formats).items():
+        if fmt != "mxfp8":
+            continue
+        _, index, name = key.split(".", 2)
+        weight = megatron_weight(full, cfg, int(index), name)
+        n, k = weight.shape
+        if k % MX_BLOCK:
+            raise HFError(f"{key}: weight {n}x{k} cannot be stored as MXFP8 (K a multiple of "
+                          f"{MX_BLOCK}); export it with --weights bf16")
+        q = quantize_mxfp8(weight.to(torch.bfloat16))
+        data, scale = q.data.view(torch.uint8), q.scales.view(torch.uint8)
+        if name == "self_attention.linear_qkv":
+            split = zip(split_qkv(data, cfg), split_qkv(scale, cfg))
+        else:
+            split = [(data, scale)]
+        for hf_name, (d, sc) in zip(HF_MODULES[name], split):
+            out[f"model.layers.{index}.{hf_name}"] = MXFP8Linear(
+                d.contiguous().view(torch.float8_e4m3fn), sc.contiguous())
     return out
 
 
@@ -236,11 +308,13 @@ def input_scales(amax: Mapping[str, float], formats: Mapping[str, str],
     return out
 
 
-def bf16_linear_names(cfg: ModelConfig, formats: Mapping[str, str]) -> list[str]:
-    """The transformers linears that stay BF16: lm_head and every linear not trained in NVFP4."""
+def bf16_linear_names(cfg: ModelConfig, formats: Mapping[str, str],
+                      quantized: tuple[str, ...] = ("nvfp4",)) -> list[str]:
+    """The transformers linears the export writes in BF16: lm_head and every linear whose
+    forward format is not among `quantized` (the formats this export writes quantized)."""
     names = ["lm_head"]
-    for key, fmt in formats.items():
-        if fmt != "nvfp4":
+    for key, fmt in forward_formats(formats).items():
+        if fmt not in quantized:
             _, index, name = key.split(".", 2)
             names += [f"model.layers.{index}.{m}" for m in HF_MODULES[name]]
     return names
@@ -267,17 +341,28 @@ def vllm_limits(cfg: ModelConfig, formats: Mapping[str, str]) -> list[str]:
 
 def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[str, PackedLinear],
                    inputs: Optional[Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
-                   bf16_linears: list[str]) -> ServingExport:
+                   bf16_linears: list[str],
+                   mxfp8: Optional[Mapping[str, MXFP8Linear]] = None) -> ServingExport:
     """The tensors and configs of one format. `dense`: the BF16 export's state dict (to_hf);
     `inputs`: None for a weight-only (W4A16) export; a packed linear missing from it is
-    exported weights-only (compressed-tensors only: HFError for ModelOpt)."""
+    exported weights-only (compressed-tensors only: HFError for ModelOpt). `mxfp8`: the MXFP8
+    linears to write as compressed-tensors' mxfp8-quantized (HFError for ModelOpt, whose
+    export writes them in BF16: leave them out and list them in `bf16_linears`)."""
+    mxfp8 = dict(mxfp8 or {})
     weights_only = [] if inputs is None else sorted(m for m in packed if m not in inputs)
     if weights_only and fmt != "compressed-tensors":
         raise HFError(f"{weights_only[0]}: a weights-only linear cannot be written in {fmt}'s "
                       "quant_algo NVFP4 (every quantized linear has an input_scale); use "
                       "--format compressed-tensors")
+    if mxfp8 and fmt != "compressed-tensors":
+        raise HFError(f"{min(mxfp8)}: an MXFP8 linear cannot be written in {fmt}'s quant_algo "
+                      "NVFP4; this export writes it in BF16 there")
+    quantized = {*packed, *mxfp8}
     tensors = {k: v for k, v in dense.items()
-               if not (k.endswith(".weight") and k[: -len(".weight")] in packed)}
+               if not (k.endswith(".weight") and k[: -len(".weight")] in quantized)}
+    for module, m in mxfp8.items():
+        tensors[f"{module}.weight"] = m.weight
+        tensors[f"{module}.weight_scale"] = m.scale
     for module, p in packed.items():  # (q/k/v_proj share their scales: one tensor each)
         has_input = inputs is not None and module in inputs
         if fmt == "compressed-tensors":
@@ -293,8 +378,12 @@ def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[
             tensors[f"{module}.input_scale"] = inputs[module][1].reshape(()).clone()
     if fmt == "compressed-tensors":
         w4a4 = sorted(m for m in packed if m not in weights_only)
-        config = compressed_tensors_config(bf16_linears, inputs is not None,
-                                           (w4a4, weights_only) if weights_only else None)
+        if mxfp8:  # every group names its modules (module docstring)
+            split = (w4a4, weights_only) if inputs is not None else ([], sorted(packed))
+        else:
+            split = (w4a4, weights_only) if weights_only else None
+        config = compressed_tensors_config(bf16_linears, inputs is not None, split,
+                                           sorted(mxfp8))
         return ServingExport(tensors, config, bf16_linears=bf16_linears,
                              weights_only=weights_only)
     quant = modelopt_quant_config(bf16_linears)
@@ -303,11 +392,14 @@ def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[
 
 
 def compressed_tensors_config(ignore: list[str], activations: bool,
-                              split: Optional[tuple[list[str], list[str]]] = None) -> dict:
+                              split: Optional[tuple[list[str], list[str]]] = None,
+                              mxfp8: list[str] = ()) -> dict:
     """config.json's quantization_config, as compressed-tensors 0.20.1 writes the NVFP4 (W4A4)
     or NVFP4A16 (weight-only) preset. `split` = (W4A4 modules, weights-only modules): the two
     presets side by side, each group targeting its modules by name (module docstring: a
-    "Linear" target would take vLLM's fused qkv_proj before its q/k/v names)."""
+    "Linear" target would take vLLM's fused qkv_proj before its q/k/v names). `mxfp8`: the
+    modules of the MXFP8 preset's group (format mxfp8-quantized; `split` then names the NVFP4
+    modules, and the model's format is "mixed-precision" where both kinds are present)."""
     def args(**extra):
         return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK,
                 "strategy": "tensor_group", "scale_dtype": "torch.float8_e4m3fn", **extra}
@@ -318,15 +410,26 @@ def compressed_tensors_config(ignore: list[str], activations: bool,
                                       if with_inputs else None),
                 "output_activations": None, "format": "nvfp4-pack-quantized"}
 
+    def mx_args(dynamic):  # the MXFP8 preset's (quantization/quant_scheme.py:315-336)
+        return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": MX_BLOCK,
+                "strategy": "group", "dynamic": dynamic, "scale_dtype": "torch.uint8"}
+
     if split is None:
         groups = {"group_0": group(["Linear"], activations)}
     else:  # an empty W4A4 side (every NVFP4 linear weights-only) is left out
         groups = {name: group(targets, with_inputs) for name, targets, with_inputs in
                   (("group_0", split[0], True), ("group_1", split[1], False)) if targets}
+    if mxfp8:  # the next group number
+        index = 1 + max((int(name.rsplit("_", 1)[1]) for name in groups), default=-1)
+        groups[f"group_{index}"] = {"targets": sorted(mxfp8), "weights": mx_args(False),
+                             "input_activations": mx_args(True), "output_activations": None,
+                             "format": MXFP8_FORMAT}
+    formats = {g["format"] for g in groups.values()}
+    fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
     return {"version": COMPRESSED_TENSORS_VERSION, "quant_method": "compressed-tensors",
             "sparsity_config": {}, "transform_config": {},
             "config_groups": groups, "kv_cache_scheme": None,
-            "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "format": fmt, "quantization_status": "compressed",
             "global_compression_ratio": None, "ignore": sorted(ignore),
             "moe_sparsity_config": None}
 
@@ -350,9 +453,14 @@ def modelopt_config_json(quant: dict) -> dict:
 
 
 def bits_per_weight(tensors: Mapping[str, torch.Tensor], module: str, fmt: str) -> float:
-    """Stored bits per weight of one packed linear: codes + block scales + tensor scales."""
-    names = ([f"{module}.weight_packed", f"{module}.weight_scale", f"{module}.weight_global_scale"]
-             if fmt == "compressed-tensors" else
-             [f"{module}.weight", f"{module}.weight_scale", f"{module}.weight_scale_2"])
-    weights = tensors[names[0]].numel() * 2
+    """Stored bits per weight of one quantized linear: codes + block scales + tensor scales.
+    `fmt`: compressed-tensors or modelopt (NVFP4), or MXFP8_FORMAT."""
+    if fmt == MXFP8_FORMAT:
+        names = [f"{module}.weight", f"{module}.weight_scale"]
+        weights = tensors[names[0]].numel()
+    else:
+        names = ([f"{module}.weight_packed", f"{module}.weight_scale",
+                  f"{module}.weight_global_scale"] if fmt == "compressed-tensors" else
+                 [f"{module}.weight", f"{module}.weight_scale", f"{module}.weight_scale_2"])
+        weights = tensors[names[0]].numel() * 2
     return 8 * sum(tensors[n].numel() * tensors[n].element_size() for n in names) / weights

@@ -1,8 +1,8 @@
 """Export a training run to a transformers NemotronH directory (model/hf.py maps the weights).
 
     python -m tools.hf_export RUN_DIR [--step N] --output DIR [--tokenizer PATH] [--overwrite]
-        [--weights bf16|nvfp4 [--format compressed-tensors|modelopt]
-                              [--weights-only | --zero-amax refuse|weights-only]]
+        [--weights bf16|nvfp4|mxfp8 [--format compressed-tensors|modelopt]
+                                    [--weights-only | --zero-amax refuse|weights-only]]
 
 Reads the run's config.yaml and its newest intact checkpoint (or --step N, verified against its
 manifest) through the run reader (training/run_reader.py, with the checkpoint reader's
@@ -17,7 +17,13 @@ Exit codes as the trainer's: 2 a bad argument (run directory, step, --output,
 as its forward pass quantized it, in compressed-tensors' nvfp4-pack-quantized format (vLLM) or
 ModelOpt's NVFP4 (TensorRT-LLM, vLLM), with the activation scales from the input amax the run
 recorded (precision.input_amax_steps); the BF16 layers of the run's precision map stay BF16.
-Refused with exit 2, before anything is written: a run that never trained a linear in NVFP4, one
+The linears whose forward ran in MXFP8 go with them: in compressed-tensors' mxfp8-quantized
+format (E4M3 weights, an E8M0 scale per 32; vLLM's CompressedTensorsW8A8Mxfp8), or in BF16 in the
+ModelOpt export; the log and nvfp4_export.json's `mxfp8_linears` say which. --weights mxfp8 is the
+same for a run without NVFP4 linears (precision=mxfp8): compressed-tensors only, no input scales
+(MXFP8 activations are quantized by the serving engine per call).
+Refused with exit 2, before anything is written: a run that never trained a linear in NVFP4
+(MXFP8 for --weights mxfp8; one with NVFP4 linears takes --weights nvfp4), one
 with MXFP4/FP8 linears, a weight that cannot be packed, a checkpoint without recorded input
 amax (unless --weights-only, compressed-tensors' weight-only NVFP4A16), and a linear whose
 recorded amax gives no usable input scale (0 over the window: all-zero or non-finite inputs;
@@ -137,29 +143,39 @@ def parse_max_shard_size(value) -> int:
     return size
 
 
-WEIGHTS = ("bf16", "nvfp4")
+WEIGHTS = ("bf16", "nvfp4", "mxfp8")
 ZERO_AMAX = ("refuse", "weights-only")  # what --weights nvfp4 does with an unusable input amax
+SERVED = ("bf16", "nvfp4", "mxfp8")  # the forward formats a serving export writes (docs/serving.md)
 
 
-def nvfp4_formats(files: RunFiles) -> dict[str, str]:
-    """{`layers.<i>.<linear>`: format} of the run's precision map, refusing (exit 2) a run that
-    never trained a linear in NVFP4 and one with MXFP4/FP8 linears (no serving format here)."""
+def serving_formats(files: RunFiles, weights: str) -> dict[str, str]:
+    """{`layers.<i>.<linear>`: the format its forward ran in} of the run's precision map
+    (hf_nvfp4.forward_formats), refusing (exit 2) a run with MXFP4/FP8 linears (no serving
+    format here), one without a linear in `weights`' format, and for --weights mxfp8 one with
+    NVFP4 linears (--weights nvfp4 writes both)."""
     # deferred: model.build imports megatron (~3 s); export refuses bad arguments and --output first
     from model.build import precision_policy
 
     try:
-        formats = precision_policy(files.model, files.precision).linear_formats()
+        formats = hf_nvfp4.forward_formats(
+            precision_policy(files.model, files.precision).linear_formats())
     except ValueError as exc:
         raise HFError(f"the run's precision config: {exc}") from None
-    other = sorted({f for f in formats.values() if f not in ("bf16", "nvfp4")})
+    other = sorted({f for f in formats.values() if f not in SERVED})
     if other:
         first = next(k for k, f in formats.items() if f in other)
-        raise HFError(f"--weights nvfp4: the run trained {first} (and others) in {other[0]}; only "
-                      "NVFP4 linears export to a serving format here (docs/serving.md): use "
-                      "--weights bf16")
-    if "nvfp4" not in formats.values():
-        raise HFError(f"--weights nvfp4: the run never trained a linear in NVFP4 "
-                      f"(precision.format={files.precision.format}): use --weights bf16")
+        raise HFError(f"--weights {weights}: the run trained {first} (and others) in {other[0]}; "
+                      "only NVFP4 and MXFP8 linears export to a serving format here "
+                      "(docs/serving.md): use --weights bf16")
+    trained = set(formats.values())
+    if weights == "mxfp8" and "nvfp4" in trained:
+        raise HFError("--weights mxfp8: the run also trained NVFP4 linears; --weights nvfp4 "
+                      "writes both (the MXFP8 ones as mxfp8-quantized)")
+    if weights not in trained:
+        hint = " (its MXFP8 linears: --weights mxfp8)" if "mxfp8" in trained else ""
+        raise HFError(f"--weights {weights}: the run never trained a linear in "
+                      f"{weights.upper()} (its forward; precision.format="
+                      f"{files.precision.format}): use --weights bf16{hint}")
     return formats
 
 
@@ -201,7 +217,7 @@ def weights_only_linears(amax: dict[str, float], steps: int, formats: dict[str, 
 def _switched_to_bf16(files: RunFiles, checkpoint: Path) -> Optional[float]:
     """The share of the run's tokens after which its forward ran in BF16, if the checkpoint
     is past it (precision.switch_to_bf16), else None."""
-    from training.precision import switch_due  # deferred: megatron, as in nvfp4_formats
+    from training.precision import switch_due  # deferred: megatron, as in serving_formats
 
     switch = files.precision.switch_to_bf16
     if switch.at_fraction is None or files.total_tokens is None:
@@ -227,10 +243,18 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     if weights not in WEIGHTS:
         raise HFError(f"--weights {weights}: choose one of {', '.join(WEIGHTS)}")
     if weights == "bf16" and (fmt is not None or weights_only):
-        raise HFError("--format and --weights-only apply to --weights nvfp4 only")
+        raise HFError("--format and --weights-only apply to --weights nvfp4 only (--format "
+                      "also to mxfp8)")
     fmt = fmt or hf_nvfp4.FORMATS[0]
     if fmt not in hf_nvfp4.FORMATS:
         raise HFError(f"--format {fmt}: choose one of {', '.join(hf_nvfp4.FORMATS)}")
+    if weights == "mxfp8" and fmt == "modelopt":
+        raise HFError("--weights mxfp8: written in compressed-tensors' mxfp8-quantized format "
+                      "only; this export does not write ModelOpt's MXFP8 (use --format "
+                      "compressed-tensors, or --weights bf16)")
+    if weights == "mxfp8" and weights_only:
+        raise HFError("--weights-only: an MXFP8 export has no input scales to leave out (the "
+                      "serving engine quantizes MXFP8 activations per call)")
     if weights_only and fmt == "modelopt":
         raise HFError("--weights-only: ModelOpt's NVFP4 carries input scales; use --format "
                       "compressed-tensors (NVFP4A16) for a weight-only export")
@@ -239,7 +263,7 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
             raise HFError(f"--zero-amax {zero_amax}: choose one of {', '.join(ZERO_AMAX)}")
         if weights != "nvfp4" or weights_only:
             raise HFError(f"--zero-amax {zero_amax}: applies to --weights nvfp4 with input "
-                          "scales only (not --weights bf16, not --weights-only)")
+                          "scales only (not --weights bf16 or mxfp8, not --weights-only)")
         if zero_amax == "weights-only" and fmt == "modelopt":
             raise HFError("--zero-amax weights-only: ModelOpt's quant_algo NVFP4 gives every "
                           "quantized linear an input_scale and this export does not write its "
@@ -247,10 +271,10 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     _check_output(output, overwrite, run_dir)  # first: nothing below may touch a run
     shard_bytes = parse_max_shard_size(max_shard_size)
     files = read_run(run_dir)
-    formats = nvfp4_formats(files) if weights == "nvfp4" else None
+    formats = serving_formats(files, weights) if weights != "bf16" else None
     checkpoint = pick_checkpoint(run_dir, step)
     amax, amax_steps = (recorded_input_amax(checkpoint, formats, weights_only)
-                        if formats else (None, 0))
+                        if weights == "nvfp4" else (None, 0))
     unusable = (weights_only_linears(amax, amax_steps, formats, zero_amax or "refuse")
                 if amax is not None else {})
     try:
@@ -276,13 +300,34 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
         packed = hf_nvfp4.packed_linears(full, cfg, formats, files.precision.weight_2d)
         inputs = (hf_nvfp4.input_scales(amax, formats, frozenset(unusable))
                   if amax is not None else None)
+        # The MXFP8 linears: compressed-tensors' own MXFP8 format, or BF16 in ModelOpt's export.
+        mxfp8_as = hf_nvfp4.MXFP8_FORMAT if fmt == "compressed-tensors" else "bf16"
+        mxfp8 = (hf_nvfp4.mxfp8_linears(full, cfg, formats)
+                 if mxfp8_as != "bf16" else {})
+        quantized = ("nvfp4", "mxfp8") if mxfp8_as != "bf16" else ("nvfp4",)
         serving = hf_nvfp4.serving_export(fmt, dense, packed, inputs,
-                                          hf_nvfp4.bf16_linear_names(cfg, formats))
-        about.update({"weights": "nvfp4", "format": fmt, "weight_2d": files.precision.weight_2d,
-                      "input_amax_steps": amax_steps, "activations": "bf16" if weights_only
-                      else "nvfp4"})
-        if not weights_only:
-            about["weights_only_modules"] = serving.weights_only
+                                          hf_nvfp4.bf16_linear_names(cfg, formats, quantized),
+                                          mxfp8)
+        about.update({"weights": weights, "format": fmt})
+        if packed:
+            about.update({"weight_2d": files.precision.weight_2d,
+                          "input_amax_steps": amax_steps,
+                          "activations": "bf16" if weights_only else "nvfp4"})
+            if not weights_only:
+                about["weights_only_modules"] = serving.weights_only
+        mxfp8_modules = sorted(m for key, f in formats.items() if f == "mxfp8"
+                               for m in hf_nvfp4.hf_names(key))
+        if mxfp8_modules:
+            about["mxfp8_linears"] = {"written_as": mxfp8_as, "modules": mxfp8_modules}
+            if mxfp8_as == "bf16":
+                log.warning(f"warning: {len(mxfp8_modules)} MXFP8 linears written in BF16 "
+                            f"({fmt}'s quant_algo NVFP4 names one algorithm for the model; "
+                            "--format compressed-tensors writes them in MXFP8): "
+                            f"{', '.join(mxfp8_modules)}")
+            else:
+                log.info(f"{len(mxfp8_modules)} MXFP8 linears written as compressed-tensors "
+                         f"{mxfp8_as} (E4M3 weights, an E8M0 scale per 32; activations "
+                         f"quantized by the serving engine): {', '.join(mxfp8_modules)}")
         for key, value in sorted(unusable.items()):
             log.warning(f"warning: {hf_nvfp4.amax_problem(key, value, amax_steps)}: exported "
                         f"weights-only (W4A16, no input scale): "
@@ -293,7 +338,7 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
         if switched is not None:
             log.warning(f"warning: this run's forward ran in BF16 after {switched:.0%} of its "
                         f"tokens (precision.switch_to_bf16), before {checkpoint.name}: these "
-                        "NVFP4 weights are its BF16 weights rounded to nearest, not weights "
+                        "quantized weights are its BF16 weights rounded to nearest, not weights "
                         "its forward computed with")
             about["switched_to_bf16_at"] = switched
     from safetensors import SafetensorError
@@ -329,8 +374,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ex.add_argument("--max-shard-size", default="5GB",
                     help="split model.safetensors above this size, with an index (default 5GB)")
     ex.add_argument("--weights", default="bf16",
-                    help="bf16 (default) or nvfp4: the NVFP4 linears as the forward quantized "
-                         "them, for vLLM / TensorRT-LLM (docs/serving.md)")
+                    help="bf16 (default), nvfp4 or mxfp8: the NVFP4 (and MXFP8) linears as the "
+                         "forward quantized them, for vLLM / TensorRT-LLM (docs/serving.md)")
     ex.add_argument("--format", dest="fmt", default=None,
                     help="with --weights nvfp4: compressed-tensors (default; vLLM) or modelopt "
                          "(TensorRT-LLM, vLLM)")

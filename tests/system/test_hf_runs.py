@@ -169,7 +169,7 @@ def test_a_tp2_nvfp4_run_records_amax_resumes_it_and_exports_both_formats(tmp_pa
     proc = run_train(run_dir, *args, nproc=2, cache_dir=data_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = run_reader.read_run(run_dir)
-    formats = hf_export.nvfp4_formats(files)
+    formats = hf_export.serving_formats(files, "nvfp4")
     step1 = torch.load(run_dir / "checkpoints" / "step_0000001" / "trainer.pt", weights_only=True)
     step2 = run_dir / "checkpoints" / "step_0000002"
     amax, steps = running_input_amax(torch.load(step2 / "trainer.pt",
