@@ -14,7 +14,7 @@ import compat
 from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
 from nvfp4_recipe.policy import (LayerPrecision, PrecisionConfig, PrecisionPolicy,
                                  RuntimePrecisionState)
-from nvfp4_recipe.megatron.te_mapping import build_te_recipe, te_formats
+from nvfp4_recipe.megatron.te_mapping import build_te_recipe, during_run
 from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, te_layer_context, te_linear_context
 
 from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
@@ -176,20 +176,20 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     state = RuntimePrecisionState()
     decisions = policy.layers()
     if backend == "te":
-        # One recipe object per format (the recipe's own, and any other an override uses).
-        recipes = {fmt: build_te_recipe(dataclasses.replace(precision, format=fmt))
-                   for fmt in te_formats(precision) if fmt != "bf16"}
+        # One recipe object per formats a linear runs (its layer's, an override's), before and
+        # after the switch to BF16.
+        used = [d.format for d in decisions] + [f for d in decisions for _, f in d.linears]
+        recipes = {fmt: build_te_recipe(fmt, precision) for fmt in during_run(used, precision)}
         layer_specs = []
         for d in decisions:
             spec = te_layer_spec(d, cfg)
-            if d.linears:  # linears overridden to another format than their layer's
+            if d.linears:  # linears overridden to other formats than their layer's
                 spec = with_linear_contexts(spec, {
                     name: te_linear_context(d.format, fmt, state, recipes, compat.te_autocast,
                                             compat.te_no_autocast) for name, fmt in d.linears})
             layer_specs.append(spec)
         # Entered at every forward, so the runtime switch to BF16 reaches every layer.
-        contexts = [te_layer_context(d, state, recipes.get(d.format), compat.te_autocast)
-                    for d in decisions]
+        contexts = [te_layer_context(d, state, recipes, compat.te_autocast) for d in decisions]
         spec_family = "te"
     else:
         layer_specs = [portable_layer_spec(d, precision, state, cfg) for d in decisions]

@@ -31,7 +31,7 @@ from nvfp4_recipe.megatron.parallel_linear import (
     PrecisionRowParallelLinear,
 )
 from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisionState
-from nvfp4_recipe.registry import gemm_config_for
+from nvfp4_recipe.registry import pass_configs_for
 
 from .attention import PortableSelfAttention, SDPACoreAttention
 from .config import LINEAR_NAMES, ModelConfig
@@ -39,14 +39,17 @@ from .mamba_mixer import MambaMixer, MambaMixerSubmodules
 
 # The linears of each layer kind, by their megatron module names (plan.json uses these).
 def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState):
-    """(column spec, row spec) of a layer's two linears, each in its own format (the policy's)."""
+    """(column spec, row spec) of a layer's two linears, each in its own formats (the policy's,
+    one per GEMM pass); a linear all in BF16 gets no config."""
     column_name, row_name = LINEAR_NAMES[decision.kind]
     specs = []
     for cls, name in ((PrecisionColumnParallelLinear, column_name),
                       (PrecisionRowParallelLinear, row_name)):
         fmt = decision.linear_format(name)
         specs.append(ModuleSpec(module=cls, params={
-            "gemm_format": fmt, "gemm_config": gemm_config_for(fmt, cfg), "runtime_state": state}))
+            "gemm_format": fmt,
+            "gemm_config": pass_configs_for(*fmt.formats, cfg) if fmt.low_precision else None,
+            "runtime_state": state}))
     return tuple(specs)
 
 

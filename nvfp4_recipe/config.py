@@ -1,4 +1,5 @@
-"""Typed, frozen configs of the emulated quantized linear, one per format."""
+"""Typed, frozen configs of the emulated quantized linear: one per format, and the config of each
+GEMM pass of a linear (`PassConfigs`)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ class NVFP4Config:
     stochastic_rounding: SR on the gradient dY for Dgrad and Wgrad (TE disable_stochastic_rounding).
     weight_2d:          16x16 weight tiles; off = 1x16 blocks along K (Fprop) and along N (Dgrad),
                         each quantized separately (TE disable_2d_quantization).
-    quantize_forward:   off = Fprop in plain high precision (late switch to BF16).
-    quantize_backward:  off = Dgrad and Wgrad unquantized.
     gemm:               "fast" (default, training): bf16 GEMM of the exact q*s operands, FP32 tensor
                         scales applied to its bf16 output (one extra rounding, <= 1 bf16 ulp);
                         "exact": FP32 GEMM of q*s, then the scales (what the hardware computes, up
@@ -41,8 +40,6 @@ class NVFP4Config:
     rht: bool = True
     stochastic_rounding: bool = True
     weight_2d: bool = True
-    quantize_forward: bool = True
-    quantize_backward: bool = True
     gemm: Gemm = Gemm.fast
     kernels: str = "auto"
 
@@ -57,8 +54,6 @@ class MXFP4Config:
     the gradient operands (default off)."""
 
     stochastic_rounding: bool = False
-    quantize_forward: bool = True
-    quantize_backward: bool = True
     gemm: Gemm = Gemm.fast
 
     def __post_init__(self) -> None:
@@ -71,8 +66,6 @@ class FP8BlockConfig:
     1x128, nearest rounding, power-of-two FP32 scales (TE's default)."""
 
     power_2_scales: bool = True
-    quantize_forward: bool = True
-    quantize_backward: bool = True
     gemm: Gemm = Gemm.fast
 
     def __post_init__(self) -> None:
@@ -85,8 +78,6 @@ class MXFP8Config:
     v2.0:165 .. release_v2.19:337): E4M3 values and one E8M0 scale per 1x32 block on every
     operand, the blocks along each GEMM's reduction dimension; nearest rounding, no RHT, no SR."""
 
-    quantize_forward: bool = True
-    quantize_backward: bool = True
     gemm: Gemm = Gemm.fast
 
     def __post_init__(self) -> None:
@@ -94,3 +85,25 @@ class MXFP8Config:
 
 
 QuantConfig = NVFP4Config | MXFP4Config | MXFP8Config | FP8BlockConfig
+
+
+@dataclass(frozen=True)
+class PassConfigs:
+    """The config of each GEMM of one linear y = x W^T: Fprop (y), Dgrad (dx), Wgrad (dW); None
+    runs that GEMM on the unquantized BF16 operands. A GEMM's two operands are quantized with its
+    own pass's config (nvfp4_recipe/linear.py), so a linear may run, say, an MXFP8 Fprop with NVFP4
+    gradients, and the late switch to BF16 is a PassConfigs with some passes None."""
+
+    fprop: QuantConfig | None = None
+    dgrad: QuantConfig | None = None
+    wgrad: QuantConfig | None = None
+
+    @classmethod
+    def every(cls, config: QuantConfig | None) -> "PassConfigs":
+        """One config (or BF16) for all three GEMMs."""
+        return cls(config, config, config)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any GEMM is quantized (all None: the linear is exactly F.linear)."""
+        return any(c is not None for c in (self.fprop, self.dgrad, self.wgrad))

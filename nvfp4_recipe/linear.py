@@ -1,4 +1,5 @@
-"""Emulated quantized linear layers (autograd): what TE's NVFP4 / MXFP4 / FP8-block GEMMs compute.
+"""Emulated quantized linear layers (autograd): what TE's NVFP4 / MXFP4 / MXFP8 / FP8-block GEMMs
+compute.
 
 For y = x W^T + b with x (T, K) (any leading dims; T = their product), W (N, K):
   Fprop  y  = Q(x, blocks along K) @ Q(W, blocks along K)^T
@@ -8,7 +9,12 @@ NVFP4: x 1x16 nearest; W 16x16 tiles (the same quantized W serves Fprop and Dgra
 dY 1x16 stochastic; both Wgrad operands get the 16-point RHT along T and their own amax.
 Each copy is quantized from the high-precision tensor. T is zero-padded to a multiple of the
 block for the Wgrad operands (zeros add nothing to dW). K and N must be multiples of the block
-(16 NVFP4, 32 MXFP4, 128 FP8) or a ValueError is raised.
+(16 NVFP4, 32 MXFP4 and MXFP8; FP8 pads its 128-blocks) or a ValueError is raised.
+
+Each GEMM takes the format of its own pass (config.PassConfigs): both operands of Fprop in the
+Fprop format, of Dgrad in the Dgrad format, of Wgrad in the Wgrad format, as TE's HybridQuantizer
+gives each tensor a rowwise copy for one GEMM and a columnwise copy for the other; a pass
+without a format multiplies the BF16 operands. One config for all three is the common case.
 
 GEMMs: operands are the exact q*s values; config.gemm = "fast" runs a bf16 GEMM (FP32 accumulation
 inside, output rounded to bf16) and applies the FP32 tensor scales to that output (one extra rounding,
@@ -20,10 +26,13 @@ the same numbers up to the FP32 accumulation order, without a BF16 kernel or a c
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from nvfp4_recipe.config import NVFP4Config, QuantConfig
+from nvfp4_recipe.compute import emulated_gemms_in_fp32
+from nvfp4_recipe.config import NVFP4Config, PassConfigs, QuantConfig
 from nvfp4_recipe.operands import GemmOperand, _FormatOps
 from nvfp4_recipe.registry import spec_of_config
 
@@ -91,46 +100,80 @@ class WeightOperandCache:
 
     TE quantizes a weight on a step's first micro-batch and reuses it for the others
     (`is_first_microbatch`); this is the emulation's equivalent. The owner clears it whenever the
-    weight may have changed (`clear()`: the start of every step and evaluation); operands are
-    kept per config, so a switch of format never reuses another format's copy.
+    weight may have changed (`clear()`: the start of every step and evaluation). Each copy is kept
+    with the config it was quantized under and handed only to a GEMM of that config, so a switch
+    of format (a pass turned to BF16, another format) never reuses another format's copy, and a
+    pass that keeps its config keeps its copy.
     """
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.config = None
-        self.fprop: GemmOperand | None = None
-        self.dgrad: GemmOperand | None = None
+        # (config, operand) of the Fprop weight and of the Dgrad weight, or None
+        self.fprop: tuple[QuantConfig, GemmOperand] | None = None
+        self.dgrad: tuple[QuantConfig, GemmOperand] | None = None
 
-    def for_config(self, config) -> "WeightOperandCache":
-        if config is not self.config:
-            self.clear()
-            self.config = config
-        return self
+    def get(self, gemm: str, config: QuantConfig) -> GemmOperand | None:
+        entry = getattr(self, gemm)
+        return entry[1] if entry is not None and entry[0] == config else None
+
+    def put(self, gemm: str, config: QuantConfig, operand: GemmOperand) -> None:
+        setattr(self, gemm, (config, operand))
+
+
+class PassOps(NamedTuple):
+    """The ops of each GEMM of a linear (None: that GEMM on the BF16 operands), one object per
+    distinct config: passes that share a config share its ops (Dgrad may then reuse Fprop's weight
+    copy). `bf16_in_fp32`: where a BF16 GEMM computes in FP32 (nvfp4_recipe/compute.py)."""
+
+    fprop: _FormatOps | None
+    dgrad: _FormatOps | None
+    wgrad: _FormatOps | None
+    bf16_in_fp32: bool
+
+    @classmethod
+    def of(cls, configs: PassConfigs, device: torch.device) -> "PassOps":
+        made: dict[QuantConfig, _FormatOps] = {}
+        ops = []
+        for config in (configs.fprop, configs.dgrad, configs.wgrad):
+            if config is not None and config not in made:
+                made[config] = ops_for(config, device)
+            ops.append(None if config is None else made[config])
+        return cls(*ops, emulated_gemms_in_fp32(device))
+
+
+def _weight_operand(cache: WeightOperandCache | None, gemm: str, ops: _FormatOps, make):
+    """The weight's operand for `gemm` from the cache, or made (and cached)."""
+    operand = cache.get(gemm, ops.config) if cache is not None else None
+    if operand is None:
+        operand = make()
+        if cache is not None:
+            cache.put(gemm, ops.config, operand)
+    return operand
 
 
 class _QuantizedLinear(torch.autograd.Function):
+    """y = x W^T + b with each GEMM quantized by its own pass's ops (PassOps); a pass without
+    ops multiplies the BF16 operands."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, ops: _FormatOps, generator,
+    def forward(ctx, x, weight, bias, ops: PassOps, generator,
                 cache: WeightOperandCache | None = None, input_amax: torch.Tensor | None = None):
-        config = ops.config
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
+        fprop = ops.fprop
         weight_operand = None
-        if config.quantize_forward:
-            weight_operand = cache.fprop if cache is not None else None
-            if weight_operand is None:
-                weight_operand = ops.weight_fprop(weight)
-                if cache is not None:
-                    cache.fprop = weight_operand
-            activation = ops.activation(x2d)
+        if fprop is not None:
+            weight_operand = _weight_operand(cache, "fprop", fprop,
+                                             lambda: fprop.weight_fprop(weight))
+            activation = fprop.activation(x2d)
             if input_amax is not None:  # the quantizer's tensor amax where it has one
                 fold_input_amax(input_amax, x2d, activation.amax)
             if bias is None:
-                y = emulated_gemm(activation, weight_operand, x.dtype, ops.gemm_out_dtype)
+                y = emulated_gemm(activation, weight_operand, x.dtype, fprop.gemm_out_dtype)
             else:  # bias added in FP32, then one rounding
-                y = emulated_gemm(activation, weight_operand, torch.float32, ops.gemm_out_dtype)
+                y = emulated_gemm(activation, weight_operand, torch.float32, fprop.gemm_out_dtype)
                 y = y.add_(bias.float()).to(x.dtype)
         else:
             if input_amax is not None:
@@ -141,7 +184,10 @@ class _QuantizedLinear(torch.autograd.Function):
             else:
                 y = F.linear(x2d, weight, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        reuse_weight = need_dx and config.quantize_backward and weight_operand is not None
+        # Dgrad may start from Fprop's weight copy only under the same config (the format's
+        # weight_dgrad decides whether it does: NVFP4's 16x16 tiles and FP8's 128x128 blocks are
+        # transpose-symmetric).
+        reuse_weight = need_dx and ops.dgrad is fprop and weight_operand is not None
         ctx.ops, ctx.generator, ctx.cache = ops, generator, cache
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         saved_values = weight_operand.values if reuse_weight else None
@@ -152,28 +198,27 @@ class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2d, weight, saved_values, saved_scale = ctx.saved_tensors
-        ops: _FormatOps = ctx.ops
+        ops: PassOps = ctx.ops
         dy2d = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
-        if not ops.config.quantize_backward:
-            if ctx.needs_input_grad[0]:
+        # Dgrad first, then Wgrad: a fixed order of stochastic-rounding draws.
+        if ctx.needs_input_grad[0]:
+            dgrad = ops.dgrad
+            if dgrad is None:
                 dx = _plain_mm(dy2d, weight, dy2d.dtype, ops.bf16_in_fp32)
-            if ctx.needs_input_grad[1]:
-                dw = _plain_mm(dy2d.t(), x2d, dy2d.dtype, ops.bf16_in_fp32)
-        else:
-            if ctx.needs_input_grad[0]:  # Dgrad first, then Wgrad: a fixed order of SR draws
+            else:
                 fprop = GemmOperand(saved_values, saved_scale) if saved_values is not None else None
-                cache = ctx.cache
-                weight_operand = cache.dgrad if cache is not None else None
-                dgrad_operand = ops.grad_dgrad(dy2d, ctx.generator)
-                if weight_operand is None:
-                    weight_operand = ops.weight_dgrad(weight, fprop)
-                    if cache is not None:
-                        cache.dgrad = weight_operand
-                dx = emulated_gemm(dgrad_operand, weight_operand, ctx.x_dtype, ops.gemm_out_dtype)
-            if ctx.needs_input_grad[1]:
-                dw_operands = ops.grad_wgrad(dy2d, ctx.generator), ops.activation_wgrad(x2d)
-                dw = emulated_gemm(*dw_operands, weight.dtype, ops.gemm_out_dtype)
+                grad_operand = dgrad.grad_dgrad(dy2d, ctx.generator)
+                weight_operand = _weight_operand(ctx.cache, "dgrad", dgrad,
+                                                 lambda: dgrad.weight_dgrad(weight, fprop))
+                dx = emulated_gemm(grad_operand, weight_operand, ctx.x_dtype, dgrad.gemm_out_dtype)
+        if ctx.needs_input_grad[1]:
+            wgrad = ops.wgrad
+            if wgrad is None:
+                dw = _plain_mm(dy2d.t(), x2d, dy2d.dtype, ops.bf16_in_fp32)
+            else:
+                dw_operands = wgrad.grad_wgrad(dy2d, ctx.generator), wgrad.activation_wgrad(x2d)
+                dw = emulated_gemm(*dw_operands, weight.dtype, wgrad.gemm_out_dtype)
         if dx is not None:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         if dw is not None:
@@ -183,31 +228,41 @@ class _QuantizedLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+def pass_configs(config: QuantConfig | PassConfigs | None) -> PassConfigs:
+    """A PassConfigs from what `quantized_linear` takes: one config (or None) for every GEMM, or
+    a PassConfigs as it is; a config of a type no format registers is a ValueError."""
+    configs = config if isinstance(config, PassConfigs) else PassConfigs.every(config)
+    for c in (configs.fprop, configs.dgrad, configs.wgrad):
+        if c is not None:
+            spec_of_config(c)
+    return configs
+
+
 def quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: QuantConfig | None = None,
+    config: QuantConfig | PassConfigs | None = None,
     generator: torch.Generator | None = None,
     weight_cache: WeightOperandCache | None = None,
     input_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One entry point for all formats: dispatches on the config type (NVFP4Config, MXFP4Config,
-    FP8BlockConfig); None, or both quantize_forward and quantize_backward off, is exactly F.linear.
-    `generator` drives stochastic rounding (None: torch's global RNG). `weight_cache` reuses the
-    weight's quantized operands (the caller clears it when the weight changes). `input_amax`, a
-    0-d FP32 tensor, takes max |x| in place (fold_input_amax; the quantizer's amax where it has
-    one, so no extra pass over x)."""
-    if config is None or not (config.quantize_forward or config.quantize_backward):
-        if config is not None:
-            ops_for(config)  # still reject unknown config types
+    """One entry point for all formats. `config`: the format of every GEMM (NVFP4Config,
+    MXFP4Config, MXFP8Config, FP8BlockConfig), or a PassConfigs with one per GEMM (Fprop, Dgrad,
+    Wgrad; None = that GEMM on the BF16 operands); None, or a PassConfigs of three None, is
+    exactly F.linear. `generator` drives stochastic rounding (None: torch's global RNG).
+    `weight_cache` reuses the weight's quantized operands (the caller clears it when the weight
+    changes). `input_amax`, a 0-d FP32 tensor, takes max |x| in place (fold_input_amax; the
+    Fprop quantizer's amax where it has one, so no extra pass over x)."""
+    configs = pass_configs(config)
+    if not configs.quantized:
         if input_amax is not None:
             fold_input_amax(input_amax, x)
         return F.linear(x, weight, bias)
-    ops = ops_for(config, x.device)
-    ops.check_shapes(x, weight)
-    cache = weight_cache.for_config(config) if weight_cache is not None else None
-    return _QuantizedLinear.apply(x, weight, bias, ops, generator, cache, input_amax)
+    ops = PassOps.of(configs, x.device)
+    for pass_ops in dict.fromkeys(o for o in ops[:3] if o is not None):
+        pass_ops.check_shapes(x, weight)
+    return _QuantizedLinear.apply(x, weight, bias, ops, generator, weight_cache, input_amax)
 
 
 def nvfp4_linear(

@@ -11,14 +11,15 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from .compute import GEMM_COMPUTE
 from .config import Gemm
 from .kernels import KERNEL_MODES, use_compiled
-from .registry import Format, format_names, format_spec, is_format
+from .passes import BF16, PASSES, PassFormats, parse_pass_map, pass_formats
+from .registry import Format, format_spec
 
 # The choices of the schema's choice fields (str-valued, spelled as in the YAML recipes: Hydra
 # rejects another value naming these; `validate_precision`, which the schema's __post_init__ runs,
@@ -34,6 +35,14 @@ class Backend(StrEnum):
 class SwitchPasses(StrEnum):
     forward = "forward"
     all = "all"
+
+
+# Field metadata of a dict whose keys are the user's own names (module-name patterns), not
+# fields: the config layer lets the command line add keys to it (training/config.py).
+USER_KEYS = "user_keys"
+
+# The GEMM passes each `switch_to_bf16.passes` value turns to BF16 in every linear's formats.
+SWITCHED_PASSES = {SwitchPasses.forward: ("fprop",), SwitchPasses.all: PASSES}
 
 
 # How the emulation's quantizers run: nvfp4_recipe.kernels' modes.
@@ -56,7 +65,11 @@ class PrecisionConfig:
     """Hydra group `precision/`. Field docs are in the README's "Precision recipes" table."""
 
     name: str = "bf16"
-    format: Format = Format.bf16
+    # The recipe's format: bf16 | fp8 | mxfp4 | mxfp8 | nvfp4 for every GEMM, or one per GEMM
+    # pass, {fprop: .., dgrad: .., wgrad: ..} with `forward` (= fprop) and `backward` (= dgrad +
+    # wgrad) as shorthands; a pass the map does not name runs in BF16 (nvfp4_recipe/passes.py).
+    # Any: OmegaConf has no union of a string and a map; validate_precision checks it.
+    format: Any = "bf16"
     # Random Hadamard transform on both Wgrad operands (NVFP4 only).
     rht: bool = True
     # Stochastic rounding of gradients feeding Dgrad and Wgrad (NVFP4; MXFP4 if set).
@@ -84,9 +97,10 @@ class PrecisionConfig:
     # nvfp4_recipe/megatron/input_amax.py).
     input_amax_steps: int = 1000
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
-    # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> bf16 | fp8 | mxfp4 |
-    # mxfp8 | nvfp4. Beats format and the BF16 first/last layers; see `resolve_overrides`.
-    overrides: dict[str, str] = field(default_factory=dict)
+    # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> a format, or a map
+    # of passes as `format` takes (the passes it does not name keep the layer's formats). Beats
+    # format and the BF16 first/last layers; see `resolve_overrides`.
+    overrides: dict[str, Any] = field(default_factory=dict, metadata={USER_KEYS: True})
 
     def __post_init__(self) -> None:
         validate_precision(self)
@@ -94,21 +108,27 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class LayerPrecision:
-    """The decision for one pattern layer: the layer's format and, where `precision.overrides`
-    changed one, each linear's (`linears`: (name, format) pairs; a linear not listed has the
-    layer's format)."""
+    """The decision for one pattern layer: the layer's formats and, where `precision.overrides`
+    changed a linear's, that linear's (`linears`: (name, formats) pairs; a linear not listed has
+    the layer's). Formats are PassFormats, one per GEMM pass (a plain format name is taken as the
+    format of all three)."""
 
     index: int
     kind: str
-    format: str  # "bf16" or the recipe's low-precision format
-    linears: tuple[tuple[str, str], ...] = ()
+    format: PassFormats  # "bf16", or the recipe's formats
+    linears: tuple[tuple[str, PassFormats], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", PassFormats(self.format))
+        object.__setattr__(self, "linears",
+                           tuple((name, PassFormats(fmt)) for name, fmt in self.linears))
 
     @property
     def low_precision(self) -> bool:
         """Whether the layer runs under the recipe (on TE: inside the layer's autocast)."""
-        return self.format != "bf16"
+        return self.format.low_precision
 
-    def linear_format(self, name: str) -> str:
+    def linear_format(self, name: str) -> PassFormats:
         return dict(self.linears).get(name, self.format)
 
 
@@ -118,9 +138,9 @@ def validate_precision(cfg: PrecisionConfig) -> None:
     (or its field_ranges): every numeric field is checked here by hand, and the training config
     layer turns the ValueError into a ConfigError. The choices again, for a config built in
     Python (Hydra checks a composed one); the layer counts against the model's depth are
-    `resolve_bf16_layers`'."""
-    if not is_format(cfg.format):
-        raise ValueError(f"precision.format={cfg.format!r}: choose one of {format_names()}")
+    `resolve_bf16_layers`'. `format` and the overrides' values: a format or a map of passes
+    (nvfp4_recipe/passes.py), checked here since the schema can only type them Any."""
+    parse_pass_map(cfg.format, "precision.format")
     for key, value, choices in (("backend", cfg.backend, Backend), ("gemm", cfg.gemm, Gemm),
                                 ("kernels", cfg.kernels, Kernels),
                                 ("gemm_compute", cfg.gemm_compute, GemmComputeChoice),
@@ -146,28 +166,37 @@ def validate_precision(cfg: PrecisionConfig) -> None:
     for pattern, fmt in cfg.overrides.items():
         if not isinstance(pattern, str) or not pattern.strip():
             raise ValueError(f"precision.overrides: {pattern!r} is not a module-name pattern")
-        if not is_format(fmt):
-            raise ValueError(f"precision.overrides[{pattern!r}]={fmt!r}: choose one of "
-                             f"{format_names()}")
+        parse_pass_map(fmt, f"precision.overrides[{pattern!r}]")
+
+
+def recipe_formats(cfg: PrecisionConfig) -> PassFormats:
+    """The formats of the recipe's low-precision layers (`precision.format`; a pass a map does
+    not name runs in BF16)."""
+    return pass_formats(cfg.format, "precision.format")
 
 
 def low_precision_formats(cfg: PrecisionConfig) -> list[str]:
-    """Every low-precision format a run may use: the recipe's and the overrides' (no bf16)."""
-    formats = {Format(f) for f in (cfg.format, *cfg.overrides.values())}
+    """Every low-precision format a run may use, in any pass: the recipe's and the overrides'
+    (no bf16)."""
+    formats = {Format(f) for value in (cfg.format, *cfg.overrides.values())
+               for f in parse_pass_map(value, "precision.format").values()}
     return sorted(formats - {Format.bf16}, key=list(Format).index)
 
 
-def resolve_overrides(overrides: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
-    """{linear name: format} from `precision.overrides` over the model's linear names.
+def resolve_overrides(overrides: Mapping[str, Any],
+                      names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """{linear name: {pass: format}} from `precision.overrides` over the model's linear names
+    (the passes each value names: all three for a format name).
 
     A pattern is a glob (fnmatch, case-sensitive: `*` any run of characters dots included, `?` one,
     `[0-9]` a class) matched against the whole name, e.g. `*.mixer.in_proj`,
     `layers.1?.mlp.*`, `layers.5.self_attention.linear_qkv` (the same glob matching as
     megatron-core's per-module quantization config, mc 0.16.1 quantization/quant_config.py).
-    A pattern that matches no linear, or two patterns giving one linear different formats, is a
+    A pattern that matches no linear, or two patterns giving one linear different values, is a
     ValueError: nothing is silently ignored and the order of the patterns never matters."""
-    resolved: dict[str, tuple[str, str]] = {}
-    for pattern, fmt in overrides.items():
+    resolved: dict[str, tuple[str, dict[str, str]]] = {}
+    for pattern, value in overrides.items():
+        fmt = parse_pass_map(value, f"precision.overrides[{pattern!r}]")
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             examples = ", ".join(dict.fromkeys(_example_names(names)))
@@ -178,10 +207,17 @@ def resolve_overrides(overrides: Mapping[str, str], names: Sequence[str]) -> dic
             if name in resolved and resolved[name][1] != fmt:
                 other, other_fmt = resolved[name]
                 raise ValueError(
-                    f"precision.overrides: {name} matches {other!r} ({other_fmt}) and "
-                    f"{pattern!r} ({fmt}); make the patterns disjoint")
+                    f"precision.overrides: {name} matches {other!r} ({_describe(other_fmt)}) "
+                    f"and {pattern!r} ({_describe(fmt)}); make the patterns disjoint")
             resolved[name] = (pattern, fmt)
     return {name: fmt for name, (_, fmt) in resolved.items()}
+
+
+def _describe(passes: Mapping[str, str]) -> str:
+    """"nvfp4" for a value that names all three passes one format, else "fprop=mxfp8, ..."."""
+    if tuple(passes) == PASSES and len(set(passes.values())) == 1:
+        return next(iter(passes.values()))
+    return ", ".join(f"{p}={f}" for p, f in passes.items())
 
 
 def _example_names(names: Sequence[str]) -> list[str]:
@@ -217,8 +253,8 @@ def resolve_bf16_layers(
 
 
 class PrecisionPolicy:
-    """Decides the format of every linear: from the pattern-layer index (the recipe's format, BF16
-    for the first/last layers), then `precision.overrides` per linear name.
+    """Decides the formats of every linear, one per GEMM pass: from the pattern-layer index (the
+    recipe's formats, BF16 for the first/last layers), then `precision.overrides` per linear name.
 
     `linear_names` maps a layer kind to its linears' module names (model.specs.LINEAR_NAMES);
     needed when the config has overrides."""
@@ -229,7 +265,8 @@ class PrecisionPolicy:
         self.cfg = cfg
         self.layer_kinds = list(layer_kinds)
         self.linear_names = {k: tuple(v) for k, v in (linear_names or {}).items()}
-        if cfg.format == "bf16":
+        self.formats = recipe_formats(cfg)
+        if not self.formats.low_precision:
             self.first, self.last = 0, 0
         else:
             self.first, self.last = resolve_bf16_layers(
@@ -252,29 +289,34 @@ class PrecisionPolicy:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} outside a {self.num_layers}-layer pattern")
         in_bf16 = index < self.first or index >= self.num_layers - self.last
-        fmt = "bf16" if (self.cfg.format == "bf16" or in_bf16) else self.cfg.format
+        fmt = PassFormats(BF16) if in_bf16 else self.formats
         kind = self.layer_kinds[index]
-        changed = tuple((n, self.overrides[f"layers.{index}.{n}"])
-                        for n in self.linear_names.get(kind, ())
-                        if self.overrides.get(f"layers.{index}.{n}", fmt) != fmt)
-        return LayerPrecision(index=index, kind=kind, format=fmt, linears=changed)
+        changed = []
+        for n in self.linear_names.get(kind, ()):
+            override = self.overrides.get(f"layers.{index}.{n}")
+            linear = fmt if override is None else fmt.replace(override)
+            if linear != fmt:
+                changed.append((n, linear))
+        return LayerPrecision(index=index, kind=kind, format=fmt, linears=tuple(changed))
 
     def layers(self) -> list[LayerPrecision]:
         return [self.layer(i) for i in range(self.num_layers)]
 
-    def linear_formats(self) -> dict[str, str]:
-        """{`layers.<i>.<name>`: format} of every linear (what each of its GEMMs runs in)."""
+    def linear_formats(self) -> dict[str, PassFormats]:
+        """{`layers.<i>.<name>`: formats} of every linear (PassFormats: what each of its GEMMs,
+        Fprop, Dgrad and Wgrad, runs in; a plain name where the three agree)."""
         return {f"layers.{d.index}.{n}": d.linear_format(n) for d in self.layers()
                 for n in self.linear_names.get(d.kind, ())}
 
     def precision_map(self) -> dict[str, dict[str, str]]:
-        """{linear name: {format: runs of pattern-layer indices}}, e.g. {"mixer.in_proj":
+        """{linear name: {formats: runs of pattern-layer indices}}, e.g. {"mixer.in_proj":
         {"bf16": "0-2,56-60", "nvfp4": "4-54"}}: a run a-b covers every layer from a to b that
-        has this linear (layers of other kinds in between do not break it)."""
+        has this linear (layers of other kinds in between do not break it). The formats are one
+        name where Fprop, Dgrad and Wgrad agree, else "fprop/dgrad/wgrad" ("mxfp8/nvfp4/nvfp4")."""
         by_name: dict[str, list[tuple[int, str]]] = {}
         for d in self.layers():
             for n in self.linear_names.get(d.kind, ()):
-                by_name.setdefault(n, []).append((d.index, d.linear_format(n)))
+                by_name.setdefault(n, []).append((d.index, str(d.linear_format(n))))
         return {n: _runs(entries) for n, entries in by_name.items()}
 
     def describe_map(self) -> str:
@@ -286,7 +328,7 @@ class PrecisionPolicy:
         cfg = self.cfg
         return {
             "name": cfg.name,
-            "format": cfg.format,
+            "format": str(self.formats),  # "fprop/dgrad/wgrad" where a map gave them apart
             "rht": cfg.rht,
             "stochastic_rounding": cfg.stochastic_rounding,
             "weight_2d": cfg.weight_2d,
@@ -326,27 +368,27 @@ def _runs(entries: list[tuple[int, str]]) -> dict[str, str]:
 
 @dataclass
 class RuntimePrecisionState:
-    """Mutable state shared by every low-precision linear of a model: the in-run switch.
+    """Mutable state shared by every linear of a model: the in-run switch to BF16.
 
-    The trainer flips it once (and restores it on resume); each linear reads it per call.
+    `bf16_passes`: the GEMM passes (nvfp4_recipe/passes.py) that run in BF16 from now on, in
+    every linear: each applies it to its own formats per call (`PassFormats.with_bf16`, the same
+    per-pass mechanism as a format map in the config). The precision controller sets it once
+    (and again on resume: it is derived from the consumed tokens).
     """
 
-    switched_passes: Optional[str] = None  # None, "forward" or "all"
+    bf16_passes: tuple[str, ...] = ()
     collect_diagnostics: bool = False
 
-    @property
-    def forward_quantized(self) -> bool:
-        return self.switched_passes is None
-
-    @property
-    def backward_quantized(self) -> bool:
-        return self.switched_passes != "all"
+    def formats(self, formats: PassFormats) -> PassFormats:
+        """A linear's formats now: its policy's, with the switched passes in BF16."""
+        return formats.with_bf16(self.bf16_passes) if self.bf16_passes else formats
 
 
 def describe_kernels(cfg: PrecisionConfig, backend: str, device) -> str:
     """How the emulation quantizes, for the start-up line ("" where the emulated format has no
     compiled quantizers, or nothing is emulated)."""
-    if backend != "emulated" or not format_spec(cfg.format).compiled_kernels:
+    if backend != "emulated" or not any(format_spec(f).compiled_kernels
+                                        for f in low_precision_formats(cfg)):
         return ""
     mode = "compiled" if use_compiled(cfg.kernels, torch.device(device)) else "eager"
     return f"{mode} quantizers (precision.kernels={cfg.kernels})"

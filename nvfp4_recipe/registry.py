@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Callable, Optional, Protocol
 
-from nvfp4_recipe.config import FP8BlockConfig, MXFP4Config, MXFP8Config, NVFP4Config, QuantConfig
+from nvfp4_recipe.config import (FP8BlockConfig, MXFP4Config, MXFP8Config, NVFP4Config,
+                                 PassConfigs, QuantConfig)
 from nvfp4_recipe.operands import _FormatOps, _FP8BlockOps, _MXFP4Ops, _MXFP8Ops, _NVFP4Ops
 
 
@@ -67,6 +68,11 @@ class FormatSpec:
     te_availability_check: Optional[str] = None
     # Whether `precision.kernels` picks how its emulated quantizers run (nvfp4_recipe.kernels).
     compiled_kernels: bool = False
+    # The TE quantizer of one tensor role ("input", "weight", "grad_output") as a CustomRecipe
+    # quantizer factory builds it, for a linear whose GEMM passes run different formats
+    # (nvfp4_recipe/megatron/te_mapping.py): {"quantizer": class name, "kwargs": its arguments}
+    # (a DType member named by a string); None: TE has no quantizer for the format.
+    te_quantizer: Callable[[PrecisionFields, str], Optional[dict[str, Any]]] = lambda cfg, role: None
 
 
 # Blackwell (B200/GB200 = 10.0, B300/GB300 = 10.3) is where TE runs NVFP4 GEMMs. Stricter than
@@ -107,6 +113,19 @@ def _nvfp4_te_recipe(cfg: PrecisionFields) -> dict[str, Any]:
     }
 
 
+def _nvfp4_te_quantizer(cfg: PrecisionFields, role: str) -> dict[str, Any]:
+    # TE's nvfp4_factory, the NVFP4BlockScaling defaults per role (release_v2.19 pytorch/
+    # custom_recipes/quantizer_factories.py:140-191), with this project's three switches: RHT
+    # on the input's and the gradient's columnwise (Wgrad) copies, 16x16 weight tiles, SR on the
+    # gradient.
+    weight, grad = role == "weight", role == "grad_output"
+    rht = cfg.rht and not weight
+    return {"quantizer": "NVFP4Quantizer", "kwargs": {
+        "fp4_dtype": "kFloat4E2M1", "with_rht": rht, "with_post_rht_amax": rht,
+        "with_2d_quantization": weight and cfg.weight_2d,
+        "stochastic_rounding": grad and cfg.stochastic_rounding, "with_random_sign_mask": True}}
+
+
 def _nvfp4_device_rule(capability: Capability) -> Verdict:
     if capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
         major, minor = capability
@@ -132,6 +151,14 @@ def _nvfp4_te_release_rule(capability: Capability, cuda_version: Optional[str],
 def _fp8_te_recipe(_cfg: PrecisionFields) -> dict[str, Any]:
     # The paper's FP8 baseline: E4M3 everywhere, 128x128 weight / 1x128 activation blocks.
     return {"recipe": "Float8BlockScaling", "kwargs": {"fp8_format": "E4M3"}}
+
+
+def _fp8_te_quantizer(_cfg: PrecisionFields, role: str) -> dict[str, Any]:
+    # TE's float8_block_scaling_factory (quantizer_factories.py:95-122): 128x128 weights, 1x128
+    # otherwise, power-of-two scales.
+    return {"quantizer": "Float8BlockQuantizer", "kwargs": {
+        "fp8_dtype": "kFloat8E4M3", "rowwise": True, "columnwise": True, "amax_epsilon": 0.0,
+        "force_pow_2_scales": True, "block_scaling_dim": 2 if role == "weight" else 1}}
 
 
 def _fp8_te_release_rule(capability: Capability, cuda_version: Optional[str],
@@ -169,6 +196,11 @@ def _mxfp8_te_recipe(_cfg: PrecisionFields) -> dict[str, Any]:
     return {"recipe": "MXFP8BlockScaling", "kwargs": {"fp8_format": "E4M3"}}
 
 
+def _mxfp8_te_quantizer(_cfg: PrecisionFields, _role: str) -> dict[str, Any]:
+    # TE's mxfp8_factory (quantizer_factories.py:125-137): E4M3, 1x32 blocks, every role.
+    return {"quantizer": "MXFP8Quantizer", "kwargs": {"fp8_dtype": "kFloat8E4M3"}}
+
+
 def _mxfp8_device_rule(capability: Capability) -> Verdict:
     # B200/GB200 (10.0) and B300/GB300 (10.3), as for NVFP4; TE itself refuses 12.x (below).
     if capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
@@ -195,17 +227,21 @@ def _mxfp8_te_release_rule(capability: Capability, cuda_version: Optional[str],
 # -- the registry --------------------------------------------------------------------------------
 
 FORMAT_SPECS: dict[Format, FormatSpec] = {spec.format: spec for spec in (
+    # BF16 inside a CustomRecipe: TE's IdentityQuantizer (release_v2.19 pytorch/tensor/
+    # identity_tensor.py:26; high_precision_factory, quantizer_factories.py:35-50).
     FormatSpec(Format.bf16, config_type=None, emulated_config=_none, ops=None, te_recipe=_none,
-               device_rule=_no_requirement, te_release_rule=_no_requirement),
+               device_rule=_no_requirement, te_release_rule=_no_requirement,
+               te_quantizer=lambda cfg, role: {"quantizer": "IdentityQuantizer", "kwargs": {}}),
     FormatSpec(Format.nvfp4, config_type=NVFP4Config, emulated_config=_nvfp4_config,
                ops=_NVFP4Ops, te_recipe=_nvfp4_te_recipe, device_rule=_nvfp4_device_rule,
                te_release_rule=_nvfp4_te_release_rule, te_availability_check="is_nvfp4_available",
-               compiled_kernels=True),
+               compiled_kernels=True, te_quantizer=_nvfp4_te_quantizer),
     FormatSpec(Format.fp8, config_type=FP8BlockConfig,
                emulated_config=lambda cfg: FP8BlockConfig(gemm=cfg.gemm), ops=_FP8BlockOps,
                te_recipe=_fp8_te_recipe, device_rule=_no_requirement,
                te_release_rule=_fp8_te_release_rule,
-               te_availability_check="is_fp8_block_scaling_available"),
+               te_availability_check="is_fp8_block_scaling_available",
+               te_quantizer=_fp8_te_quantizer),
     FormatSpec(Format.mxfp4, config_type=MXFP4Config,
                emulated_config=lambda cfg: MXFP4Config(gemm=cfg.gemm), ops=_MXFP4Ops,
                te_recipe=_none, device_rule=_mxfp4_device_rule,
@@ -213,7 +249,8 @@ FORMAT_SPECS: dict[Format, FormatSpec] = {spec.format: spec for spec in (
     FormatSpec(Format.mxfp8, config_type=MXFP8Config,
                emulated_config=lambda cfg: MXFP8Config(gemm=cfg.gemm), ops=_MXFP8Ops,
                te_recipe=_mxfp8_te_recipe, device_rule=_mxfp8_device_rule,
-               te_release_rule=_mxfp8_te_release_rule, te_availability_check="is_mxfp8_available"),
+               te_release_rule=_mxfp8_te_release_rule, te_availability_check="is_mxfp8_available",
+               te_quantizer=_mxfp8_te_quantizer),
 )}
 _SPEC_OF_CONFIG = {spec.config_type: spec for spec in FORMAT_SPECS.values() if spec.config_type}
 
@@ -246,3 +283,11 @@ def spec_of_config(config: QuantConfig) -> FormatSpec:
 def gemm_config_for(fmt: str, cfg: PrecisionFields) -> Optional[QuantConfig]:
     """The emulated-GEMM config of one format under a precision recipe (None for BF16)."""
     return format_spec(fmt).emulated_config(cfg)
+
+
+def pass_configs_for(fprop: str, dgrad: str, wgrad: str, cfg: PrecisionFields) -> PassConfigs:
+    """The emulated-GEMM configs of a linear whose Fprop, Dgrad and Wgrad run these formats: one
+    config object per format, so passes of one format share it (and Dgrad may reuse Fprop's
+    weight copy, nvfp4_recipe/linear.py)."""
+    configs = {fmt: gemm_config_for(fmt, cfg) for fmt in dict.fromkeys((fprop, dgrad, wgrad))}
+    return PassConfigs(configs[fprop], configs[dgrad], configs[wgrad])

@@ -11,11 +11,14 @@ exit 3 for a missing file).
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 from data.config import DataConfig, check_files_exist, check_runnable
 from errors import ConfigError
@@ -24,7 +27,7 @@ from model.config import ModelConfig, precision_policy
 from model.hf import check_init_from
 from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
-from nvfp4_recipe.policy import PrecisionConfig, resolve_bf16_layers
+from nvfp4_recipe.policy import USER_KEYS, PrecisionConfig, resolve_bf16_layers
 
 from .distributed import DEFAULT_TIMEOUT_MINUTES, data_parallel_size
 from .init_from import check_run_init, is_run_dir
@@ -225,13 +228,33 @@ def recompute_config(tr: TrainerConfig) -> RecomputeConfig:
 def register_configs() -> None:
     """Schemas for `recipes/`: the root and one per group option family."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=_schema(TrainConfig))
     for group, node in (("model", ModelConfig), ("precision", PrecisionConfig),
                         ("data", DataConfig), ("parallel", ParallelConfig),
                         ("trainer", TrainerConfig), ("logger", LoggerConfig),
                         ("evaluation", EvaluationConfig),
                         ("plan", PlanConfig)):
-        cs.store(group=group, name=f"{group}_schema", node=node)
+        cs.store(group=group, name=f"{group}_schema", node=_schema(node))
+
+
+def _schema(cls) -> DictConfig:
+    """A schema as the ConfigStore's node, its dicts of user keys (field metadata USER_KEYS:
+    precision.overrides' module-name patterns) open to new keys. Hydra's struct mode refuses a
+    key the schema does not name, right for a field and wrong for a user's own names, where the
+    command line would need `++` to add one (`precision.overrides={...}` merges into the
+    recipe's)."""
+    node = OmegaConf.structured(cls)
+    _open_user_keys(node, cls)
+    return node
+
+
+def _open_user_keys(node: DictConfig, cls) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get(USER_KEYS):
+            OmegaConf.set_struct(node[f.name], False)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            _open_user_keys(node[f.name], hints[f.name])
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:

@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 
 from errors import ConfigError, ExitCode, ProjectError
 from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
-from nvfp4_recipe.megatron.te_runtime import check_te_switch
 
 from . import run_dir as run_dir_lib
 from .config import TrainConfig, validate
@@ -66,9 +65,6 @@ def _start_up(raw):
     with _config_errors():  # the config against this machine
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
         ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU
-        if backend == "te":
-            check_te_switch(cfg.precision.switch_to_bf16.passes,
-                            cfg.precision.switch_to_bf16.at_fraction)
     if backend == "te":
         refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
         if refusal:

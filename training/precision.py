@@ -1,8 +1,9 @@
 """The run's precision, step by step: what the trainer calls around each optimizer step and
 evaluation, so that the trainer knows nothing about formats.
 
-- `before_step`: the late switch to BF16 once its share of the run's tokens is consumed (flips
-  the `RuntimePrecisionState` every linear reads per call), the refresh of the quantized-weight
+- `before_step`: the late switch to BF16 once its share of the run's tokens is consumed (the
+  `RuntimePrecisionState` names the passes that run in BF16 from then on, and every linear
+  applies that to its own per-pass formats at each call), the refresh of the quantized-weight
   caches, and the quantization diagnostics switched on when due.
 - `after_step`: the step's input amaxes into the recorder's window; the diagnostics switched off
   and collected, as `quant/<layer>/<role>/<stat>` metrics.
@@ -33,13 +34,14 @@ import torch
 
 from model.build import BuiltModel
 from nvfp4_recipe.megatron.input_amax import InputAmaxRecorder
-from nvfp4_recipe.policy import PrecisionConfig, describe_kernels, low_precision_formats
+from nvfp4_recipe.policy import (SWITCHED_PASSES, PrecisionConfig, describe_kernels,
+                                 low_precision_formats)
 
 
 def switch_due(precision: PrecisionConfig, consumed_tokens: int, total_tokens: int) -> bool:
     """Whether the low-precision GEMMs run in BF16 from now on (`precision.switch_to_bf16`)."""
     at = precision.switch_to_bf16.at_fraction
-    if at is None or precision.format == "bf16":
+    if at is None or not low_precision_formats(precision):
         return False
     return consumed_tokens >= at * total_tokens
 
@@ -78,7 +80,7 @@ class PrecisionController:
         kernels = describe_kernels(precision, backend, device)
         lines = [f"precision {precision.name}: {backend} GEMMs ({reason})"
                  + (f"; first {policy.first} / last {policy.last} pattern layers in BF16"
-                    if precision.format != "bf16" else "")
+                    if policy.formats.low_precision else "")
                  + (f"; {kernels}" if kernels else "")]
         if self.quantizes:
             lines.append(f"precision map (each linear's Fprop/Dgrad/Wgrad; runs of pattern layers "
@@ -89,10 +91,9 @@ class PrecisionController:
         """Set up the next step; returns the events to record at `step` ((name, fields) pairs)."""
         events = []
         consumed = step * self.tokens_per_step
-        if self.state.switched_passes is None and switch_due(self.precision, consumed,
-                                                             self.total_tokens):
+        if not self.state.bf16_passes and switch_due(self.precision, consumed, self.total_tokens):
             passes = self.precision.switch_to_bf16.passes
-            self.state.switched_passes = passes
+            self.state.bf16_passes = SWITCHED_PASSES[passes]
             events.append(("switch_to_bf16", {"passes": passes, "consumed_tokens": consumed}))
         self._refresh_weight_caches()
         # Diagnostics, when due, record each linear's last micro-batch.

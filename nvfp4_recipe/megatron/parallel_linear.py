@@ -4,8 +4,9 @@ Column- and row-parallel semantics (sharding, TP all-reduces, the sequence-paral
 reduce-scatter after a row-parallel GEMM) are megatron's own: we only replace `_forward_impl`,
 the local GEMM, and with it the sequence-parallel all-gather megatron folds into it. Every GEMM
 runs on BF16 operands (as on the GPU, where activations are BF16 and TE quantizes from them); the
-low-precision formats quantize those operands with the `nvfp4_recipe` emulation
-(`nvfp4_recipe.registry.gemm_config_for` gives a format's config). Master weights and their gradients stay FP32.
+low-precision formats quantize those operands with the `nvfp4_recipe` emulation, each GEMM
+(Fprop, Dgrad, Wgrad) in its own pass's format (`nvfp4_recipe.registry.pass_configs_for` gives
+the configs of a linear's formats). Master weights and their gradients stay FP32.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from nvfp4_recipe.diagnostics import quantization_error_tensors
-from nvfp4_recipe.linear import WeightOperandCache, fold_input_amax, quantized_linear
+from nvfp4_recipe.config import PassConfigs
+from nvfp4_recipe.linear import WeightOperandCache, fold_input_amax, pass_configs, quantized_linear
 from nvfp4_recipe.policy import RuntimePrecisionState
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -38,6 +40,8 @@ class _PrecisionLinearMixin:
     input_amax: Optional[torch.Tensor] = None
 
     def _init_precision(self, gemm_format: str, gemm_config, runtime_state):
+        # The policy's format of each GEMM (nvfp4_recipe.passes.PassFormats) and the emulated
+        # configs that run them: a PassConfigs, or one config for all three GEMMs (None: BF16).
         self.gemm_format = gemm_format
         self.gemm_config = gemm_config
         self.runtime_state = runtime_state or RuntimePrecisionState()
@@ -50,7 +54,6 @@ class _PrecisionLinearMixin:
         # it, None (the default, outside the trainer) -> quantize at every call.
         self.is_first_microbatch: Optional[bool] = None
         self.weight_cache = WeightOperandCache()
-        self._partial_config = None  # ((forward, backward), config) after a partial switch
 
     # -- the PrecisionLinear protocol (nvfp4_recipe/linear_protocol.py) --------------------
     def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -64,23 +67,14 @@ class _PrecisionLinearMixin:
     def refresh_weight_cache(self) -> None:
         self.is_first_microbatch = True
 
-    def _active_gemm_config(self):
-        """The config for this call, after the in-run switch to BF16 (None = plain BF16)."""
-        if self.gemm_config is None:
-            return None
-        state = self.runtime_state
-        if state.forward_quantized and state.backward_quantized:
-            return self.gemm_config
-        if not state.forward_quantized and not state.backward_quantized:
-            return None
-        # One config object per partial switch: the weight cache keeps its operands while it is
-        # handed the same config (WeightOperandCache.for_config compares identity), so a new
-        # object per call would requantize the weight at every micro-batch.
-        key = (state.forward_quantized, state.backward_quantized)
-        if self._partial_config is None or self._partial_config[0] != key:
-            self._partial_config = key, dataclasses.replace(
-                self.gemm_config, quantize_forward=key[0], quantize_backward=key[1])
-        return self._partial_config[1]
+    def _active_gemm_config(self) -> Optional[PassConfigs]:
+        """The configs of this call's GEMMs: the linear's, with the passes the late switch turned
+        to BF16 (`runtime_state.bf16_passes`) set to None; None when no GEMM is quantized."""
+        configs = pass_configs(self.gemm_config)
+        bf16 = self.runtime_state.bf16_passes
+        if bf16:
+            configs = dataclasses.replace(configs, **dict.fromkeys(bf16))
+        return configs if configs.quantized else None
 
     def _precision_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         out_dtype = x.dtype
@@ -94,11 +88,12 @@ class _PrecisionLinearMixin:
             out = F.linear(x_c, w_c)
         else:
             if self.runtime_state.collect_diagnostics:
-                self._record_diagnostics(x_c, w_c, config)
+                self._record_diagnostics(x_c, w_c, config.fprop)
             out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache(),
                                    input_amax=self.input_amax)
-            if self.runtime_state.collect_diagnostics and out.requires_grad:
-                out.register_hook(lambda g: self._record_gradient(g, config))
+            if (self.runtime_state.collect_diagnostics and out.requires_grad
+                    and config.dgrad is not None):
+                out.register_hook(lambda g: self._record_gradient(g, config.dgrad))
         out = out.to(out_dtype)
         return out + bias if bias is not None else out
 
@@ -110,8 +105,13 @@ class _PrecisionLinearMixin:
             self.is_first_microbatch = False
         return self.weight_cache
 
+    # The diagnostics quantize each tensor as the rowwise operand of its first GEMM sees it: the
+    # activation and weight as Fprop's (nothing to measure where Fprop runs in BF16), the
+    # gradient as Dgrad's.
     @torch.no_grad()
     def _record_diagnostics(self, x, w, config):
+        if config is None:
+            return
         self.diagnostics["activation"] = quantization_error_tensors(x, config, role="activation")
         self.diagnostics["weight"] = quantization_error_tensors(w, config, role="weight")
 

@@ -1,10 +1,12 @@
 """What Transformer Engine layers run under, step by step: pure decisions, tested on CPU.
 
 - Which recipe each layer runs under at a given moment of the run (`te_layer_recipe`): the
-  policy's low-precision layers run under the TE recipe until the late switch to BF16 fires;
-  BF16 layers never do. The autocast is entered per layer at every forward (`te_layer_context`),
-  so the switch, which flips `RuntimePrecisionState`, reaches layers built long before.
-- Which recipe one linear runs under when `precision.overrides` gave it another format than its
+  recipe of the layer's formats (one per GEMM pass, te_mapping.build_te_recipe: one format's
+  recipe, its high-precision-backward variant, or a CustomRecipe of HybridQuantizers) with the
+  passes the late switch turned to BF16 applied (`RuntimePrecisionState.formats`, the same rule
+  as the emulated linears); BF16 layers run outside any recipe. The autocast is entered per layer
+  at every forward (`te_layer_context`), so the switch reaches layers built long before.
+- Which recipe one linear runs under when `precision.overrides` gave it other formats than its
   layer (`te_linear_context`): TE's autocast is a global state that a nested autocast replaces
   for its extent and restores on exit (TE v2.9 quantization.py:846-860); a module records at
   forward whether it quantized and with which recipe, and its backward follows that
@@ -32,63 +34,50 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nvfp4_recipe.passes import PassFormats
 from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
 
 
+def te_formats_recipe(formats: PassFormats, state: RuntimePrecisionState,
+                      recipes: dict[str, Any]) -> Optional[Any]:
+    """The recipe a linear of these formats runs under now (None: plain BF16). `recipes`: one per
+    PassFormats the run's linears run at some step (te_mapping.during_run), built once."""
+    now = state.formats(formats)
+    if not now.low_precision:
+        return None
+    if now not in recipes:
+        raise KeyError(f"no TE recipe was built for {now} (Fprop/Dgrad/Wgrad); build_model "
+                       "builds one for every format its linears run, before and after the switch")
+    return recipes[now]
+
+
 def te_layer_recipe(decision: LayerPrecision, state: RuntimePrecisionState,
-                    recipe: Any) -> Optional[Any]:
+                    recipes: dict[str, Any]) -> Optional[Any]:
     """The TE recipe a layer's forward runs under now, or None for plain BF16."""
-    if not decision.low_precision:
-        return None
-    if state.switched_passes is None:
-        return recipe
-    if state.switched_passes == "all":
-        return None
-    # TE's recipe is chosen for a layer's forward, and its backward follows what the forward
-    # quantized: a BF16 Fprop with quantized Dgrad/Wgrad cannot be expressed (checked at start-up
-    # by check_te_switch).
-    raise ValueError(f"switch_to_bf16.passes={state.switched_passes!r} cannot run on TE layers")
+    return te_formats_recipe(decision.format, state, recipes)
 
 
-def check_te_switch(passes: str, at_fraction: Optional[float]) -> None:
-    """Refuse, before anything is written, a switch that TE layers cannot perform."""
-    if at_fraction is not None and passes != "all":
-        raise ValueError(
-            f"precision.switch_to_bf16.passes={passes!r} needs the emulated backend: on TE a "
-            "layer's backward GEMMs follow its forward's recipe, so only passes=all (every GEMM "
-            "to BF16) can switch; use passes=all or precision.backend=emulated")
-
-
-def te_layer_context(decision: LayerPrecision, state: RuntimePrecisionState, recipe: Any,
-                     autocast: Callable[[Any], Any]) -> Callable[[], Any]:
+def te_layer_context(decision: LayerPrecision, state: RuntimePrecisionState,
+                     recipes: dict[str, Any], autocast: Callable[[Any], Any]) -> Callable[[], Any]:
     """A factory of the context one layer's forward runs in, decided anew at every call."""
 
     def context():
-        chosen = te_layer_recipe(decision, state, recipe)
+        chosen = te_layer_recipe(decision, state, recipes)
         return nullcontext() if chosen is None else autocast(chosen)
 
     return context
 
 
-def te_format_recipe(fmt: str, state: RuntimePrecisionState,
-                     recipes: dict[str, Any]) -> Optional[Any]:
-    """The recipe a GEMM of format `fmt` runs under now (None: BF16); see `te_layer_recipe`."""
-    if fmt == "bf16" or state.switched_passes == "all":
-        return None
-    if state.switched_passes is None:
-        return recipes[fmt]
-    raise ValueError(f"switch_to_bf16.passes={state.switched_passes!r} cannot run on TE layers")
-
-
-def te_linear_context(layer_format: str, linear_format: str, state: RuntimePrecisionState,
-                      recipes: dict[str, Any], autocast: Callable[[Any], Any],
+def te_linear_context(layer_formats: PassFormats, linear_formats: PassFormats,
+                      state: RuntimePrecisionState, recipes: dict[str, Any],
+                      autocast: Callable[[Any], Any],
                       no_autocast: Callable[[], Any]) -> Callable[[], Any]:
     """A factory of the context one linear's forward runs in, inside its layer's context: nothing
     when the linear runs what its layer runs, else its own recipe or TE's autocast turned off."""
 
     def context():
-        layer = te_format_recipe(layer_format, state, recipes)
-        linear = te_format_recipe(linear_format, state, recipes)
+        layer = te_formats_recipe(layer_formats, state, recipes)
+        linear = te_formats_recipe(linear_formats, state, recipes)
         if linear is layer:
             return nullcontext()
         return no_autocast() if linear is None else autocast(linear)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvfp4_recipe import NVFP4Config, quantize_nvfp4
+from nvfp4_recipe import NVFP4Config, PassConfigs, quantize_nvfp4
 from nvfp4_recipe.megatron.parallel_linear import PrecisionColumnParallelLinear, PrecisionRowParallelLinear
 from nvfp4_recipe.policy import PrecisionConfig
 from helpers import model_config
@@ -33,7 +33,10 @@ def test_policy_decides_every_linear_of_the_demo(parallel_context):
         layer = int(name.split(".")[1])
         low = 1 <= layer <= 6  # demo: first 1 and last 2 of 9 layers stay BF16
         assert module.gemm_format == ("nvfp4" if low else "bf16"), name
-        assert (module.gemm_config == NVFP4Config()) if low else module.gemm_config is None
+        # one config object for the three GEMMs (so Dgrad may reuse Fprop's weight copy)
+        configs = module.gemm_config
+        assert configs == (PassConfigs.every(NVFP4Config()) if low else None), name
+        assert not low or configs.fprop is configs.dgrad is configs.wgrad
     # embeddings, output layer and norms are not precision linears: they stay high precision
     assert type(built.module.output_layer).__name__ == "ColumnParallelLinear"
 
@@ -41,7 +44,8 @@ def test_policy_decides_every_linear_of_the_demo(parallel_context):
 @pytest.mark.parametrize("key", ["rht", "stochastic_rounding", "weight_2d"])
 def test_each_ablation_key_reaches_exactly_its_field(parallel_context, key):
     built = build(PrecisionConfig(name="x", format="nvfp4", **{key: False}))
-    configs = {m.gemm_config for m in precision_linears(built.module).values() if m.gemm_config}
+    configs = {c for m in precision_linears(built.module).values() if m.gemm_config
+               for c in (m.gemm_config.fprop, m.gemm_config.dgrad, m.gemm_config.wgrad)}
     expected = NVFP4Config(**{key: False})
     assert configs == {expected}
 
@@ -91,12 +95,12 @@ def test_switch_to_bf16_makes_every_gemm_plain_bf16(parallel_context):
     nvfp4 = build(PrecisionConfig(name="nvfp4", format="nvfp4"))
     bf16 = build(PrecisionConfig())
     tokens = torch.randint(0, VOCAB, (2, 64))
-    nvfp4.runtime_state.switched_passes = "all"
+    nvfp4.runtime_state.bf16_passes = ("fprop", "dgrad", "wgrad")  # the switch, passes=all
     with torch.no_grad():
         a = nvfp4.module(tokens, None, None, labels=tokens)
         b = bf16.module(tokens, None, None, labels=tokens)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    nvfp4.runtime_state.switched_passes = None
+    nvfp4.runtime_state.bf16_passes = ()
     with torch.no_grad():
         c = nvfp4.module(tokens, None, None, labels=tokens)
     assert not torch.equal(a, c)  # back on: the quantized forward differs
@@ -104,7 +108,8 @@ def test_switch_to_bf16_makes_every_gemm_plain_bf16(parallel_context):
 
 def test_forward_only_switch_keeps_backward_quantized(parallel_context):
     built = build(PrecisionConfig(name="nvfp4", format="nvfp4"))
-    built.runtime_state.switched_passes = "forward"
+    built.runtime_state.bf16_passes = ("fprop",)  # the switch, passes=forward
     layer = precision_linears(built.module)["layers.1.mlp.linear_fc1"]
     active = layer._active_gemm_config()
-    assert (active.quantize_forward, active.quantize_backward) == (False, True)
+    assert active.fprop is None and active.dgrad is active.wgrad is layer.gemm_config.dgrad
+    assert active.dgrad is not None

@@ -277,7 +277,7 @@ def test_a_direct_call_without_native_bf16_computes_what_fp32gemms_computes(monk
 
     import nvfp4_recipe.compute as compute
     from nvfp4_recipe.compute import GEMM_OPS
-    from nvfp4_recipe.config import NVFP4Config
+    from nvfp4_recipe.config import NVFP4Config, PassConfigs
     from nvfp4_recipe.linear import quantized_linear
 
     class GemmDtypes(TorchDispatchMode):
@@ -294,7 +294,8 @@ def test_a_direct_call_without_native_bf16_computes_what_fp32gemms_computes(monk
                 self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
             return func(*args, **(kwargs or {}))
 
-    config = NVFP4Config(quantize_forward=quantize[0], quantize_backward=quantize[1])
+    nvfp4 = NVFP4Config()
+    config = PassConfigs(*(nvfp4 if q else None for q in (quantize[0], quantize[1], quantize[1])))
     x, w, b = rand(64, 256), rand(128, 256, seed=1), rand(128, seed=4)
     dy = rand(64, 128, seed=2)
 

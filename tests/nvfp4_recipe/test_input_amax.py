@@ -76,14 +76,14 @@ def test_state_round_trips_by_name_and_a_shorter_window_keeps_the_newest():
 import pytest  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from nvfp4_recipe import FP8BlockConfig, MXFP4Config, NVFP4Config, quantized_linear  # noqa: E402
+from nvfp4_recipe import FP8BlockConfig, MXFP4Config, NVFP4Config, PassConfigs, quantized_linear  # noqa: E402
 
 CONFIGS = {
     "nvfp4": NVFP4Config(),
-    "nvfp4 backward only": NVFP4Config(quantize_forward=False),
+    "nvfp4 backward only": PassConfigs(None, NVFP4Config(), NVFP4Config()),
     "mxfp4": MXFP4Config(),
     "fp8 block": FP8BlockConfig(),
-    "off": NVFP4Config(quantize_forward=False, quantize_backward=False),
+    "off": PassConfigs(),
 }
 
 

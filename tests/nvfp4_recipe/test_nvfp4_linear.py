@@ -10,6 +10,7 @@ from nvfp4_recipe import (
     FP8BlockConfig,
     MXFP4Config,
     NVFP4Config,
+    PassConfigs,
     nvfp4_linear,
     quantize_fp8_block,
     quantize_mxfp4,
@@ -99,7 +100,7 @@ def test_sr_backward_equals_composition_with_the_same_draws():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_everything_off_is_exactly_f_linear(dtype):
     x, w, b, dy = _problem(dtype=dtype)
-    off = NVFP4Config(quantize_forward=False, quantize_backward=False)
+    off = PassConfigs()  # every GEMM on the BF16 operands
     ours = _run(off, x, w, b, dy)
     xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
     y = F.linear(xr, wr, br)
@@ -122,9 +123,9 @@ def test_each_switch_changes_exactly_its_ingredient():
     with_sr = _run(EXACT, x, w, b, dy)
     assert same(with_sr[0], base[0]) and not same(with_sr[1], base[1]) and not same(with_sr[2], base[2])
     assert all(same(a, c) for a, c in zip(_run(EXACT, x, w, b, dy), with_sr))  # same seed, same draws
-    fwd_off = _run(NVFP4Config(gemm="exact", stochastic_rounding=False, quantize_forward=False), x, w, b, dy)
+    fwd_off = _run(PassConfigs(None, DETERMINISTIC, DETERMINISTIC), x, w, b, dy)
     assert same(fwd_off[0], F.linear(x, w, b)) and same(fwd_off[1], base[1]) and same(fwd_off[2], base[2])
-    bwd_off = _run(NVFP4Config(gemm="exact", quantize_backward=False), x, w, b, dy)
+    bwd_off = _run(PassConfigs(EXACT, None, None), x, w, b, dy)
     dy2, x2 = dy.reshape(-1, 48), x.reshape(-1, 64)
     assert same(bwd_off[0], base[0])
     assert same(bwd_off[1], dy2.mm(w).view_as(x)) and same(bwd_off[2], dy2.t().mm(x2))

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
-from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, check_te_switch, te_layer_recipe
-from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
+from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, te_layer_recipe
+from nvfp4_recipe.policy import SWITCHED_PASSES, LayerPrecision, RuntimePrecisionState
 
 RECIPE = object()  # stands for NVFP4BlockScaling(...)
+FORWARD_BF16 = object()  # stands for the CustomRecipe of BF16 Fprop, NVFP4 Dgrad and Wgrad
+RECIPES = {"nvfp4": RECIPE, "bf16/nvfp4/nvfp4": FORWARD_BF16}
 LOW = LayerPrecision(index=3, kind="mamba", format="nvfp4")
 BF16 = LayerPrecision(index=0, kind="mamba", format="bf16")
 
@@ -26,20 +28,18 @@ BF16 = LayerPrecision(index=0, kind="mamba", format="bf16")
 @pytest.mark.parametrize("switched, low, bf16", [
     (None, RECIPE, None),  # before the switch: the policy's low-precision layers quantize
     ("all", None, None),  # after it: every GEMM in BF16
+    ("forward", FORWARD_BF16, None),  # after it: the recipe of the formats the switch leaves
 ])
 def test_recipe_per_layer_before_and_after_the_switch(switched, low, bf16):
-    state = RuntimePrecisionState(switched_passes=switched)
-    assert te_layer_recipe(LOW, state, RECIPE) is low
-    assert te_layer_recipe(BF16, state, RECIPE) is bf16
+    state = RuntimePrecisionState(bf16_passes=SWITCHED_PASSES[switched] if switched else ())
+    assert te_layer_recipe(LOW, state, RECIPES) is low
+    assert te_layer_recipe(BF16, state, RECIPES) is bf16
 
 
-def test_forward_only_switch_is_refused_for_te_before_the_run():
-    check_te_switch("all", 0.82)
-    check_te_switch("forward", None)  # never switches: nothing to refuse
-    with pytest.raises(ValueError, match="switch_to_bf16.passes='forward'.*backend=emulated"):
-        check_te_switch("forward", 0.82)
-    with pytest.raises(ValueError):
-        te_layer_recipe(LOW, RuntimePrecisionState(switched_passes="forward"), RECIPE)
+def test_formats_without_a_built_recipe_are_an_error_not_bf16():
+    with pytest.raises(KeyError, match="no TE recipe was built for mxfp8"):
+        te_layer_recipe(LayerPrecision(index=3, kind="mamba", format="mxfp8"),
+                        RuntimePrecisionState(), RECIPES)
 
 
 @pytest.mark.parametrize("env, formats, refused", [
@@ -93,7 +93,7 @@ def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
         yield
 
     monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
-    monkeypatch.setattr(build_module, "build_te_recipe", lambda cfg: RECIPE)
+    monkeypatch.setattr(build_module, "build_te_recipe", lambda formats, cfg: RECIPE)
     # The TE layer specs need TE: build the portable layers under the TE contexts instead.
     monkeypatch.setattr(build_module, "te_layer_spec",
                         lambda d, model: build_module.portable_layer_spec(
@@ -107,10 +107,50 @@ def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
     entered.clear()
     built.module(tokens, None, None, labels=tokens)
     assert entered == [RECIPE] * low
-    built.runtime_state.switched_passes = "all"  # what the trainer does at the switch
+    built.runtime_state.bf16_passes = SWITCHED_PASSES["all"]  # what the trainer does at the switch
     entered.clear()
     built.module(tokens, None, None, labels=tokens)
     assert entered == []
+
+
+def test_a_forward_only_switch_enters_the_recipe_of_the_formats_it_leaves(parallel_context,
+                                                                          monkeypatch):
+    """The switch is a change of every linear's pass formats: with passes=forward configured,
+    build_model builds the recipe of BF16 Fprop with the recipe's Dgrad and Wgrad too (a
+    CustomRecipe on TE 2.19), and after the switch every low-precision layer enters it."""
+    from contextlib import contextmanager
+
+    from model import build as build_module
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import PrecisionConfig, SwitchToBF16Config
+
+    entered, built_for = [], []
+
+    @contextmanager
+    def fake_autocast(recipe):
+        entered.append(recipe)
+        yield
+
+    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
+    monkeypatch.setattr(build_module, "build_te_recipe",
+                        lambda formats, cfg: built_for.append(formats) or f"{formats} recipe")
+    monkeypatch.setattr(build_module, "te_layer_spec",
+                        lambda d, model: build_module.portable_layer_spec(
+                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    precision = PrecisionConfig(name="nvfp4", format="nvfp4", switch_to_bf16=SwitchToBF16Config(
+        at_fraction=0.8, passes="forward"))
+    built = build_module.build_model(ModelConfig(vocab_size=256), precision, vocab_size=256,
+                                     backend="te")
+    assert built_for == ["nvfp4", "bf16/nvfp4/nvfp4"]
+    low = sum(d.low_precision for d in built.policy.layers())
+    tokens = torch.randint(0, 256, (1, 32))
+    entered.clear()
+    built.module(tokens, None, None, labels=tokens)
+    assert entered == ["nvfp4 recipe"] * low
+    built.runtime_state.bf16_passes = SWITCHED_PASSES["forward"]
+    entered.clear()
+    built.module(tokens, None, None, labels=tokens)
+    assert entered == ["bf16/nvfp4/nvfp4 recipe"] * low
 
 
 # TE's linears' forward as TE v2.9 defines it (TE is not installed here; read in its source at tag

@@ -180,9 +180,9 @@ def test_te_linears_overridden_run_in_their_own_context(parallel_context, monkey
 
     recipes_built = []
 
-    def fake_recipe(cfg):
-        recipes_built.append(cfg.format)
-        return f"{cfg.format} recipe"
+    def fake_recipe(formats, cfg):
+        recipes_built.append(formats)
+        return f"{formats} recipe"
 
     monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
     monkeypatch.setattr(build_module.compat, "te_no_autocast", fake_no_autocast)
@@ -208,7 +208,7 @@ def test_te_linears_overridden_run_in_their_own_context(parallel_context, monkey
     # Layer order: 1 (recipe), 2 (recipe, then its in_proj off), 3-6 (recipe), 8's fc2 (FP8).
     assert entered == ["nvfp4 recipe", "nvfp4 recipe", "off", *["nvfp4 recipe"] * 4,
                        "fp8 recipe"]
-    built.runtime_state.switched_passes = "all"
+    built.runtime_state.bf16_passes = ("fprop", "dgrad", "wgrad")  # the switch, passes=all
     entered.clear()
     built.module(tokens, None, None, labels=tokens)
     assert entered == []
@@ -299,7 +299,7 @@ def test_te_is_asked_for_every_format_an_override_uses():
     assert preflight_backends(mx, "auto") == ("emulated",)
     assert preflight_backends(nvfp4(), "auto") == ("te", "emulated")
     fp8 = PrecisionConfig(overrides={"*.mlp.*": "fp8"})  # a BF16 recipe with FP8 MLPs
-    assert te_formats(fp8) == ["bf16", "fp8"]
+    assert te_formats(fp8) == ["fp8"]  # BF16 needs no TE recipe
     assert te_supports(fp8, (10, 0), "12.9", "2.9.0") == (True, "")
     assert te_supports(fp8, (10, 0), "12.9", "2.8.0")[1].startswith(
         "transformer_engine 2.8.0 runs FP8 block scaling on compute capability 9.x only")

@@ -69,7 +69,7 @@ def test_the_switch_happens_once_and_is_reported_once():
     events = {step: ctl.before_step(step) for step in range(STEPS)}
     assert {s: e for s, e in events.items() if e} == {
         3: [("switch_to_bf16", {"passes": "forward", "consumed_tokens": 300})]}
-    assert ctl.state.switched_passes == "forward"
+    assert ctl.state.bf16_passes == ("fprop",)
 
 
 def test_every_step_and_evaluation_refreshes_every_linears_weight_cache():
