@@ -16,7 +16,7 @@ from errors import ConfigError, ExitCode, MissingError, ProjectError
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from train_helpers import FAST, patched_train_script, run_train  # noqa: E402
+from train_helpers import FAST  # noqa: E402
 
 
 def product_files() -> list[Path]:
@@ -175,28 +175,6 @@ def test_a_value_error_outside_the_config_checks_of_the_start_up_is_a_bug(
     assert not (tmp_path / "run").exists()
 
 
-FAIL_IN_FIT = """
-import training.trainer as trainer
-def train_step(self, micro_batches, sink=None):
-    if self.step == 1:
-        raise ValueError("a bug at step 2")
-    return real(self, micro_batches, sink)
-real, trainer.Trainer.train_step = trainer.Trainer.train_step, train_step
-"""
-
-
-@pytest.mark.slow
-def test_a_value_error_inside_fit_is_a_bug_exit_1_with_its_traceback(tmp_path, data_cache):
-    """Not exit 2 ("config error") without a traceback: after start-up a ValueError is a bug."""
-    script = patched_train_script(tmp_path / "fail_in_fit.py", FAIL_IN_FIT)
-    proc = run_train(tmp_path / "run", *FAST, "trainer.max_steps=3", cache_dir=data_cache,
-                     script=script)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == ExitCode.BUG, out
-    assert "Traceback" in out and "ValueError: a bug at step 2" in out
-    assert "in train_step" in out  # the traceback reaches the raising frame
-
-
 def test_every_exit_code_is_produced_by_a_test():
     """Each code is asserted by name (ExitCode.X) or number (`returncode == N`, `rc == N`, ...)
     in some test file other than this one."""
@@ -205,5 +183,5 @@ def test_every_exit_code_is_produced_by_a_test():
     missing = [code.name for code in ExitCode
                if f"ExitCode.{code.name}" not in text
                and not re.search(rf"(returncode|rc|code|\)) == {int(code)}\b", text)]
-    # BUG (1) is produced here, by the ValueError-in-fit test above.
-    assert set(missing) <= {"BUG"}, missing
+    # BUG (1) too: tests/system/test_start_up.py's ValueError inside fit.
+    assert not missing, missing

@@ -1,9 +1,9 @@
 """train.py's start-up from the command line: a bad value is refused with one line (exit 2, or
 Hydra's exit 1 for a choice outside its values) before anything is written, a layout the
 preflight finds failing is refused the same way, and what a process imports before it refuses,
-or when megatron's checkpoint writer re-imports train.py in its spawned helper
-(the checks behind them, in-process: tests/training/test_config_ranges.py, test_preflight.py,
-test_entry.py)."""
+or when megatron's checkpoint writer re-imports train.py in its spawned helper; after the
+start-up a ValueError is a bug: exit 1 with its traceback (the checks behind them, in-process:
+tests/training/test_config_ranges.py, test_preflight.py, test_entry.py, tests/test_errors.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from train_helpers import FAST, REPO, run_train
+from train_helpers import FAST, REPO, patched_train_script, run_train
+
+from errors import ExitCode
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -88,3 +90,24 @@ assert run(raw) == 2
 """)
     assert "torch" in loaded and "megatron" not in loaded
     assert not run_dir.exists()
+
+
+FAIL_IN_FIT = """
+import training.trainer as trainer
+def train_step(self, micro_batches, sink=None):
+    if self.step == 1:
+        raise ValueError("a bug at step 2")
+    return real(self, micro_batches, sink)
+real, trainer.Trainer.train_step = trainer.Trainer.train_step, train_step
+"""
+
+
+def test_a_value_error_inside_fit_is_a_bug_exit_1_with_its_traceback(tmp_path, data_cache):
+    """Not exit 2 ("config error") without a traceback: after start-up a ValueError is a bug."""
+    script = patched_train_script(tmp_path / "fail_in_fit.py", FAIL_IN_FIT)
+    proc = run_train(tmp_path / "run", *FAST, "trainer.max_steps=3", cache_dir=data_cache,
+                     script=script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.BUG, out
+    assert "Traceback" in out and "ValueError: a bug at step 2" in out
+    assert "in train_step" in out  # the traceback reaches the raising frame
