@@ -1,9 +1,11 @@
 """train.py's start-up from the command line: a bad value is refused with one line (exit 2, or
 Hydra's exit 1 for a choice outside its values) before anything is written, a layout the
-preflight finds failing is refused the same way, and what a process imports before it refuses,
+preflight finds failing or an override pattern that matches no linear is refused the same way,
+a good start-up logs the precision map and the preflight, what a process imports before it refuses,
 or when megatron's checkpoint writer re-imports train.py in its spawned helper; after the
 start-up a ValueError is a bug: exit 1 with its traceback (the checks behind them, in-process:
-tests/training/test_config_ranges.py, test_preflight.py, test_entry.py, tests/test_errors.py)."""
+tests/training/test_config_ranges.py, test_preflight.py, test_entry.py, test_overrides.py,
+tests/test_errors.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +113,28 @@ def test_a_value_error_inside_fit_is_a_bug_exit_1_with_its_traceback(tmp_path, d
     assert proc.returncode == ExitCode.BUG, out
     assert "Traceback" in out and "ValueError: a bug at step 2" in out
     assert "in train_step" in out  # the traceback reaches the raising frame
+
+
+def test_start_up_refuses_an_override_pattern_matching_nothing_with_exit_2(tmp_path, data_cache):
+    run_dir = tmp_path / "bad"
+    res = run_train(run_dir, *FAST, "precision=nvfp4",
+                    "++precision.overrides={*.mixer.inproj:bf16}", cache_dir=data_cache,
+                    timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    text = res.stdout + res.stderr
+    assert "error: precision.overrides: '*.mixer.inproj' matches no linear" in text
+    assert not run_dir.exists()
+
+
+# trains a step
+def test_start_up_prints_the_precision_map_and_the_preflight(tmp_path, data_cache):
+    run_dir = tmp_path / "good"
+    res = run_train(run_dir, *FAST, "precision=nvfp4_mamba_proj_bf16", "trainer.max_steps=1",
+                    "++precision.overrides={layers.4.mlp.linear_fc1:fp8}", cache_dir=data_cache,
+                    timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    log = (run_dir / "train.log").read_text()
+    assert ("precision map (each linear's Fprop/Dgrad/Wgrad; runs of pattern layers that have the "
+            "linear): mixer.in_proj: bf16 at 0-7 | mixer.out_proj: bf16 at 0-7 | mlp.linear_fc1: "
+            "nvfp4 at 1,6; fp8 at 4; bf16 at 8 |") in log
+    assert "preflight (emulated; tensor 1, 256 rows per GEMM): 24 low-precision GEMMs: 24 ok" in log

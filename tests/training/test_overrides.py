@@ -1,7 +1,8 @@
 """precision.overrides: per-linear formats through the one precision policy. They change the
 precision map, the plan, the emulated losses (exactly as if those linears' layers were BF16) and,
 on the TE spec, the context each linear's forward runs in; a pattern that matches nothing is an
-error (exit 2)."""
+error (exit 2). train.py's start-up with overrides (the refusal, the precision map it logs):
+tests/system/test_start_up.py."""
 
 from __future__ import annotations
 
@@ -212,38 +213,6 @@ def test_te_linears_overridden_run_in_their_own_context(parallel_context, monkey
     entered.clear()
     built.module(tokens, None, None, labels=tokens)
     assert entered == []
-
-
-# -- start-up --------------------------------------------------------------------------------------
-
-
-def test_start_up_refuses_an_override_pattern_matching_nothing_with_exit_2(tmp_path, data_cache):
-    from train_helpers import FAST, run_train
-
-    run_dir = tmp_path / "bad"
-    res = run_train(run_dir, *FAST, "precision=nvfp4",
-                    "++precision.overrides={*.mixer.inproj:bf16}", cache_dir=data_cache,
-                    timeout=300)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    text = res.stdout + res.stderr
-    assert "error: precision.overrides: '*.mixer.inproj' matches no linear" in text
-    assert not run_dir.exists()
-
-
-@pytest.mark.slow  # trains a step
-def test_start_up_prints_the_precision_map_and_the_preflight(tmp_path, data_cache):
-    from train_helpers import FAST, run_train
-
-    run_dir = tmp_path / "good"
-    res = run_train(run_dir, *FAST, "precision=nvfp4_mamba_proj_bf16", "trainer.max_steps=1",
-                    "++precision.overrides={layers.4.mlp.linear_fc1:fp8}", cache_dir=data_cache,
-                    timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    log = (run_dir / "train.log").read_text()
-    assert ("precision map (each linear's Fprop/Dgrad/Wgrad; runs of pattern layers that have the "
-            "linear): mixer.in_proj: bf16 at 0-7 | mixer.out_proj: bf16 at 0-7 | mlp.linear_fc1: "
-            "nvfp4 at 1,6; fp8 at 4; bf16 at 8 |") in log
-    assert "preflight (emulated; tensor 1, 256 rows per GEMM): 24 low-precision GEMMs: 24 ok" in log
 
 
 def test_te_spec_linear_class_is_wrapped_with_its_context():
