@@ -1,8 +1,8 @@
-"""Builders the tests share (the fixtures are in conftest.py): data configs over the demo corpus
-and over synthetic sources, model and training configs from the recipes, a free TCP port, and
-downstream tasks that cannot be prepared, and what the run-directory and checkpoint tests of both
-tiers do to files (a victim for planted links, a flipped byte, a pickle that runs code, a
-snapshot of a tree)."""
+"""Builders the tests of both tiers share (the fixtures are in conftest.py): data configs over the
+demo corpus and over synthetic sources, model, training and recompute configs from the recipes, a
+free TCP port, a counter of the emulated linears' weight quantizations, downstream tasks that
+cannot be prepared, and what the run-directory and checkpoint tests do to files (a victim for
+planted links, a flipped byte, a pickle that runs code, a snapshot of a tree)."""
 
 from __future__ import annotations
 
@@ -184,6 +184,30 @@ def unwritable_output(where: str, tmp_path: Path, name: str) -> Path:
     (tmp_path / "a_file").write_text("not a directory")
     return tmp_path / "a_file" / name
 
+
+
+# -- quantization -------------------------------------------------------------------------------
+
+
+def count_weight_quantizations(monkeypatch) -> dict:
+    """{"fprop": n, "dgrad": n}: how often the emulated NVFP4 linears quantize a weight for each
+    GEMM from now on (the counts go up in place)."""
+    from nvfp4_recipe.operands import _NVFP4Ops
+
+    calls = {"fprop": 0, "dgrad": 0}
+    fprop, dgrad = _NVFP4Ops.weight_fprop, _NVFP4Ops.weight_dgrad
+
+    def counted_fprop(self, weight):
+        calls["fprop"] += 1
+        return fprop(self, weight)
+
+    def counted_dgrad(self, weight, operand):
+        calls["dgrad"] += 1
+        return dgrad(self, weight, operand)
+
+    monkeypatch.setattr(_NVFP4Ops, "weight_fprop", counted_fprop)
+    monkeypatch.setattr(_NVFP4Ops, "weight_dgrad", counted_dgrad)
+    return calls
 
 
 # -- downstream tasks ---------------------------------------------------------------------------

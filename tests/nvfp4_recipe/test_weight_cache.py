@@ -4,39 +4,23 @@ The emulated linears follow TE's flag, which the precision controller drives thr
 linear's `refresh_weight_cache` (`is_first_microbatch = True`) at the start of a step and of an
 evaluation.
 The first micro-batch then quantizes the weight (its Fprop operand, and its Dgrad operand in the
-backward) and the others reuse the copies; a step never sees the previous step's weights.
+backward) and the others reuse the copies; a step never sees the previous step's weights (over
+two whole steps through the trainer's pieces: tests/system/test_weight_cache_steps.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import count_weight_quantizations
 
 from nvfp4_recipe import NVFP4Config, quantized_linear
 from nvfp4_recipe.linear import WeightOperandCache
-from nvfp4_recipe.operands import _NVFP4Ops
-
-
-def _count_weight_quantizations(monkeypatch):
-    calls = {"fprop": 0, "dgrad": 0}
-    fprop, dgrad = _NVFP4Ops.weight_fprop, _NVFP4Ops.weight_dgrad
-
-    def counted_fprop(self, weight):
-        calls["fprop"] += 1
-        return fprop(self, weight)
-
-    def counted_dgrad(self, weight, operand):
-        calls["dgrad"] += 1
-        return dgrad(self, weight, operand)
-
-    monkeypatch.setattr(_NVFP4Ops, "weight_fprop", counted_fprop)
-    monkeypatch.setattr(_NVFP4Ops, "weight_dgrad", counted_dgrad)
-    return calls
 
 
 @pytest.mark.parametrize("weight_2d", [True, False])
 def test_cached_operands_give_bit_identical_outputs_and_gradients(monkeypatch, weight_2d):
-    calls = _count_weight_quantizations(monkeypatch)
+    calls = count_weight_quantizations(monkeypatch)
     config = NVFP4Config(weight_2d=weight_2d)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 128, generator=gen).bfloat16().requires_grad_()
@@ -78,53 +62,6 @@ def test_cache_is_per_config():
     assert cache.fprop[0] is other and cache.fprop[1] is not first[1]
 
 
-@pytest.mark.slow  # two models, four steps: ~30 s on 2 idle cores
-def test_trainer_protocol_quantizes_once_per_step_and_never_reuses_across_steps(parallel_context, monkeypatch):
-    """Two steps of two micro-batches through the trainer's pieces: one quantization per weight
-    per step, the same losses and gradients as quantizing at every call."""
-    from model.build import build_model
-    from model.config import ModelConfig
-    from nvfp4_recipe.policy import PrecisionConfig
-    from training.config import TrainerConfig
-    from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
-    from training.schedules import run_micro_batches
-
-    calls = _count_weight_quantizations(monkeypatch)
-    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
-    batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 64)}
-               for t in tokens.split(2)]
-
-    def train(cached: bool):
-        torch.manual_seed(0)
-        built = build_model(ModelConfig(vocab_size=256), PrecisionConfig(name="nvfp4",
-                            format="nvfp4"), vocab_size=256, backend="emulated",
-                            params_dtype=PARAMS_DTYPE)
-        core = built.module
-        model, optimizer = build_data_parallel_model(core, TrainerConfig(lr=1e-2), parallel_context)
-        assert len(built.linears) == 18  # every layer's two linears (BF16 ones quantize nothing)
-        losses, counts = [], []
-        torch.manual_seed(5)
-        for _ in range(2):
-            if cached:  # what PrecisionController.before_step does
-                for held in built.linears:
-                    held.linear.refresh_weight_cache()
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            calls.update(fprop=0, dgrad=0)
-            losses.append(run_micro_batches(model, batches, parallel_context, (64, 2, 256)).item())
-            counts.append(dict(calls))
-            optimizer.step()
-        params = torch.cat([p.detach().float().flatten() for p in core.parameters()])
-        return losses, counts, params
-
-    plain_losses, plain_counts, plain_params = train(cached=False)
-    losses, counts, params = train(cached=True)
-    nvfp4_linears = 12  # 9 layers, the first 1 and last 2 in BF16: 6 NVFP4 layers x 2 linears
-    assert plain_counts[0]["fprop"] == 2 * nvfp4_linears  # two micro-batches each
-    assert counts == [{"fprop": nvfp4_linears, "dgrad": nvfp4_linears}] * 2
-    assert losses == plain_losses and torch.equal(params, plain_params)
-
-
 def test_partial_switch_to_bf16_keeps_the_cached_weight(parallel_context, monkeypatch):
     """After `switch_to_bf16` with passes=forward only the backward stays quantized: Dgrad keeps
     its config, so the weight's Dgrad operand is still quantized once per step, not at every
@@ -134,7 +71,7 @@ def test_partial_switch_to_bf16_keeps_the_cached_weight(parallel_context, monkey
     from nvfp4_recipe.megatron.parallel_linear import PrecisionColumnParallelLinear
     from nvfp4_recipe.policy import RuntimePrecisionState
 
-    calls = _count_weight_quantizations(monkeypatch)
+    calls = count_weight_quantizations(monkeypatch)
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1,
                                use_cpu_initialization=True, params_dtype=torch.bfloat16)
     state = RuntimePrecisionState()
