@@ -1,6 +1,7 @@
 """What `pip install` puts into site-packages: the nvfp4_recipe library and nothing else. The
 application's generic names (data, model, training, tools, launch, benchmarks, studies, compat)
-run from the checkout and would collide with other code if installed."""
+run from the checkout and would collide with other code if installed. And the library stands
+alone: a fresh interpreter that imports its numerics loads neither megatron nor TE."""
 
 from __future__ import annotations
 
@@ -29,3 +30,12 @@ def test_the_wheel_holds_only_the_nvfp4_recipe_library(tmp_path):
     assert top_level == {"nvfp4_recipe"}
     library = {str(p.relative_to(REPO)) for p in (REPO / "nvfp4_recipe").rglob("*.py")}
     assert library <= set(names), f"missing from the wheel: {sorted(library - set(names))}"
+
+
+def test_importing_the_numerics_imports_neither_megatron_nor_te():
+    code = ("import sys, nvfp4_recipe, nvfp4_recipe.policy, nvfp4_recipe.registry, "
+            "nvfp4_recipe.gemm_support\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformer_engine'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
