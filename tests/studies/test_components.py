@@ -3,15 +3,12 @@
 Its GEMMs are the recipe's (bit for bit against `quantized_linear`), its quantizers agree with the
 independent reference on captured tensors, its capture records what the GEMMs saw, and on small
 tensors captured from the demo model each effect that theory guarantees points the right way.
+The command itself, trained and measured end to end: tests/system/test_study_commands.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -228,39 +225,6 @@ def test_recipe_maps_and_one_layer_quantized_alone(demo):
     assert all(m.gemm_config is None for m in demo.modules.values())
     again_loss, again_grad = passes.loss_and_grad(demo, demo.batch, 0)
     assert again_loss == base_loss and torch.equal(again_grad, base_grad)
-
-
-@pytest.mark.slow  # trains 4 steps (captures at 1, 2, 4) and runs every measurement: ~1 min
-def test_the_command_writes_the_report(tmp_path, data_cache):
-    out = tmp_path / "components"
-    env = {**os.environ, "NVFP4_CACHE": str(data_cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "studies.components", "--steps", "4", "--batches", "1",
-           "--model-batches", "1", "--sr-steps", "1", "--sr-seeds", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    readme = (out / "README.md").read_text()
-    for section in ("## Headline", "## 1. Random Hadamard", "## 2. Stochastic rounding",
-                    "## 3. 2D", "## 4. BF16 first / last", "## 5. NVFP4 vs MXFP4",
-                    "## 6. The recipe variants", "## How it was run"):
-        assert section in readme, section
-    for png in ("rht.png", "sr.png", "weight2d.png", "layers.png", "formats.png"):
-        assert (out / png).stat().st_size > 10_000, png
-    res = json.loads((out / "results.json").read_text())
-    assert len(res["batches"]) == 3 and len(res["model"]) == 3
-    assert res["reference_check"] and all(r["max_abs_diff"] == 0 for r in res["reference_check"])
-    # The format table has MXFP8 beside NVFP4 and MXFP4, and MXFP8 runs as a recipe variant.
-    assert "| reduction by MXFP8 vs NVFP4 |" in readme and "| `mxfp8` |" in readme
-    assert set(res["summary"]["variants"]) == set(passes.VARIANTS)
-    formats = res["summary"]["formats"]
-    assert all(row["mxfp8"]["mean"] < row["nvfp4"]["mean"] for row in formats.values())
-    variants = {v: res["summary"]["variants"][v] for v in passes.VARIANTS}
-    assert all(v["grad_err"]["mean"] > 0 for v in variants.values())
-    # forward-only ingredients: RHT and SR act on the backward, so the loss is the recipe's
-    assert variants["nvfp4_no_rht"]["dloss"]["mean"] == variants["nvfp4"]["dloss"]["mean"]
-    # the report rebuilds from results.json alone
-    subprocess.run([sys.executable, "-m", "studies.components", "--report-only", "--out", str(out)],
-                   cwd=REPO, env=env, check=True, capture_output=True)
-    assert (out / "README.md").read_text() == readme
 
 
 def test_the_committed_report_is_its_results_rendered():

@@ -3,9 +3,10 @@ Hydra's exit 1 for a choice outside its values) before anything is written, a la
 preflight finds failing or an override pattern that matches no linear is refused the same way,
 a good start-up logs the precision map and the preflight, what a process imports before it refuses,
 or when megatron's checkpoint writer re-imports train.py in its spawned helper; after the
-start-up a ValueError is a bug: exit 1 with its traceback (the checks behind them, in-process:
+start-up a ValueError is a bug: exit 1 with its traceback; and tools.evaluate on a trained run
+refuses TE's recipe changed by the environment as train.py does (the checks behind them, in-process:
 tests/training/test_config_ranges.py, test_preflight.py, test_entry.py, test_overrides.py,
-tests/test_errors.py)."""
+tests/test_errors.py, tests/tools/test_evaluate.py)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,21 @@ def test_start_up_prints_the_precision_map_and_the_preflight(tmp_path, data_cach
             "linear): mixer.in_proj: bf16 at 0-7 | mixer.out_proj: bf16 at 0-7 | mlp.linear_fc1: "
             "nvfp4 at 1,6; fp8 at 4; bf16 at 8 |") in log
     assert "preflight (emulated; tensor 1, 256 rows per GEMM): 24 low-precision GEMMs: 24 ok" in log
+
+
+# reads the shared four-step run
+def test_evaluate_on_te_refuses_a_recipe_changed_by_the_environment(shared_runs, parallel_context,
+                                                                    monkeypatch):
+    """tools.evaluate builds the same TE model: the same refusal, before any weight loads.
+    The backend and the run's formats are stated (the shared run is BF16, on CPU)."""
+    from errors import ConfigError
+    from train_helpers import RESUMABLE
+    from tools import evaluate
+
+    run_dir, _ = shared_runs.get(*RESUMABLE)
+    monkeypatch.setenv("NVTE_NVFP4_4OVER6", "all")
+    monkeypatch.setattr("model.build.choose_backend", lambda *a, **k: ("te", "stated"))
+    monkeypatch.setattr(evaluate, "te_formats", lambda precision: ["nvfp4"])  # load_model's name
+    monkeypatch.setattr("model.build.build_model", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(ConfigError, match="NVTE_NVFP4_4OVER6='all'"):
+        evaluate.load_model(run_dir, None, parallel_context)

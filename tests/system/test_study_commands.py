@@ -1,6 +1,8 @@
 """The studies' commands run as a user runs them: `python -m studies.ablations` on two tiny runs
-with the shipped downstream tasks adds their scores to the report (the report from hand-written
-run directories: tests/studies/test_ablations.py)."""
+with the shipped downstream tasks adds their scores to the report, and `python -m
+studies.components` trains 4 steps, runs every measurement and writes the report, which
+rebuilds from its results alone (the reports from hand-written runs and the measurements on
+small tensors: tests/studies/test_ablations.py, tests/studies/test_components.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 
 import pytest
 from train_helpers import REPO
+
+from studies.components import passes
 
 
 # two 2-step train.py runs, each with an lm-eval evaluation: ~1-2 min on 2 cores
@@ -37,3 +41,36 @@ def test_the_command_adds_downstream_scores(tmp_path, data_cache):
     # a second call skips the finished runs (their scores make them done) and rebuilds the report
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "2 already finished" in again.stdout, again.stdout[-2000:]
+
+
+# trains 4 steps (captures at 1, 2, 4) and runs every measurement: ~1 min
+def test_the_command_writes_the_report(tmp_path, data_cache):
+    out = tmp_path / "components"
+    env = {**os.environ, "NVFP4_CACHE": str(data_cache), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "studies.components", "--steps", "4", "--batches", "1",
+           "--model-batches", "1", "--sr-steps", "1", "--sr-seeds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    readme = (out / "README.md").read_text()
+    for section in ("## Headline", "## 1. Random Hadamard", "## 2. Stochastic rounding",
+                    "## 3. 2D", "## 4. BF16 first / last", "## 5. NVFP4 vs MXFP4",
+                    "## 6. The recipe variants", "## How it was run"):
+        assert section in readme, section
+    for png in ("rht.png", "sr.png", "weight2d.png", "layers.png", "formats.png"):
+        assert (out / png).stat().st_size > 10_000, png
+    res = json.loads((out / "results.json").read_text())
+    assert len(res["batches"]) == 3 and len(res["model"]) == 3
+    assert res["reference_check"] and all(r["max_abs_diff"] == 0 for r in res["reference_check"])
+    # The format table has MXFP8 beside NVFP4 and MXFP4, and MXFP8 runs as a recipe variant.
+    assert "| reduction by MXFP8 vs NVFP4 |" in readme and "| `mxfp8` |" in readme
+    assert set(res["summary"]["variants"]) == set(passes.VARIANTS)
+    formats = res["summary"]["formats"]
+    assert all(row["mxfp8"]["mean"] < row["nvfp4"]["mean"] for row in formats.values())
+    variants = {v: res["summary"]["variants"][v] for v in passes.VARIANTS}
+    assert all(v["grad_err"]["mean"] > 0 for v in variants.values())
+    # forward-only ingredients: RHT and SR act on the backward, so the loss is the recipe's
+    assert variants["nvfp4_no_rht"]["dloss"]["mean"] == variants["nvfp4"]["dloss"]["mean"]
+    # the report rebuilds from results.json alone
+    subprocess.run([sys.executable, "-m", "studies.components", "--report-only", "--out", str(out)],
+                   cwd=REPO, env=env, check=True, capture_output=True)
+    assert (out / "README.md").read_text() == readme

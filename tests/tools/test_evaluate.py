@@ -1,8 +1,8 @@
 """`python -m tools.evaluate`'s own refusals, before any model is built or anything written: its
-arguments, an --output inside the run or through a link, and TE's recipe changed by the
-environment (as train.py's start-up refuses it). Its scores: tests/training/test_downstream.py
-(against the in-loop evaluation) and tests/tools/test_eval_independent.py (against lm-eval's
-HFLM on the export)."""
+arguments, and an --output inside the run or through a link. TE's recipe changed by the
+environment, on a trained run (as train.py's start-up refuses it): tests/system/test_start_up.py.
+Its scores: tests/system/test_evaluation_cli.py (against the in-loop evaluation) and
+tests/system/test_eval_independent.py (against lm-eval's HFLM on the export)."""
 
 from __future__ import annotations
 
@@ -58,21 +58,3 @@ def test_evaluate_never_writes_its_output_into_the_run_or_through_a_link(tmp_pat
     assert (tmp_path / "old.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "old.json",
                                                           "precious.json", "run"]
-
-
-@pytest.mark.slow  # reads the shared four-step run
-def test_evaluate_on_te_refuses_a_recipe_changed_by_the_environment(shared_runs, parallel_context,
-                                                                    monkeypatch):
-    """tools.evaluate builds the same TE model: the same refusal, before any weight loads.
-    The backend and the run's formats are stated (the shared run is BF16, on CPU)."""
-    from errors import ConfigError
-    from train_helpers import RESUMABLE
-    from tools import evaluate
-
-    run_dir, _ = shared_runs.get(*RESUMABLE)
-    monkeypatch.setenv("NVTE_NVFP4_4OVER6", "all")
-    monkeypatch.setattr("model.build.choose_backend", lambda *a, **k: ("te", "stated"))
-    monkeypatch.setattr(evaluate, "te_formats", lambda precision: ["nvfp4"])  # load_model's name
-    monkeypatch.setattr("model.build.build_model", lambda *a, **k: pytest.fail("built"))
-    with pytest.raises(ConfigError, match="NVTE_NVFP4_4OVER6='all'"):
-        evaluate.load_model(run_dir, None, parallel_context)
