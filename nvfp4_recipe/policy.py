@@ -9,8 +9,10 @@ import: `nvfp4_recipe.megatron.parallel_linear` turns a decision into a megatron
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fractions import Fraction
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -79,6 +81,9 @@ class PrecisionConfig:
     # Leading / trailing pattern layers kept in BF16; None = the model config's default.
     bf16_first_layers: Optional[int] = None
     bf16_last_layers: Optional[int] = None
+    # The trailing BF16 layers as a fraction of the depth, rounded up (ceil(fraction x layers));
+    # instead of bf16_last_layers, which must then be null.
+    bf16_last_fraction: Optional[float] = None
     switch_to_bf16: SwitchToBF16Config = field(default_factory=SwitchToBF16Config)
     # auto: TE's FP4 GEMMs on compute capability 10.x, the nvfp4_recipe emulation elsewhere.
     backend: Backend = Backend.auto
@@ -99,8 +104,13 @@ class PrecisionConfig:
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
     # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> a format, or a map
     # of passes as `format` takes (the passes it does not name keep the layer's formats). Beats
-    # format and the BF16 first/last layers; see `resolve_overrides`.
+    # format and (see overrides_in_bf16_layers) the BF16 first/last layers; `resolve_overrides`.
     overrides: dict[str, Any] = field(default_factory=dict, metadata={USER_KEYS: True})
+    # Whether the overrides also change the linears of the BF16 first/last layers (true), or only
+    # those of the layers the recipe quantizes (false: megatron-core's per-module quantization
+    # config leaves a layer outside the quantized autocast alone unless asked,
+    # TEQuantizationRecipe.override_nonquantized_autocast=False, extensions/transformer_engine.py:157).
+    overrides_in_bf16_layers: bool = True
 
     def __post_init__(self) -> None:
         validate_precision(self)
@@ -158,6 +168,15 @@ def validate_precision(cfg: PrecisionConfig) -> None:
         if value is not None and value < 0:
             raise ValueError(f"precision.{key}={value} is negative: use 0 or more (or null: the "
                              "model's default)")
+    fraction = cfg.bf16_last_fraction
+    if fraction is not None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"precision.bf16_last_fraction={fraction} is not a fraction of "
+                             "the model's layers: use [0, 1], or null")
+        if cfg.bf16_last_layers is not None:
+            raise ValueError(f"precision.bf16_last_layers={cfg.bf16_last_layers} and "
+                             f"precision.bf16_last_fraction={fraction} both set the trailing BF16 "
+                             "layers: set one, the other null")
     if cfg.diagnostics_every < 0:
         raise ValueError(f"precision.diagnostics_every={cfg.diagnostics_every} must be >= 0")
     if cfg.input_amax_steps < 0:
@@ -234,9 +253,17 @@ def _example_names(names: Sequence[str]) -> list[str]:
 def resolve_bf16_layers(
     cfg: PrecisionConfig, num_layers: int, model_first: int, model_last: int
 ) -> tuple[int, int]:
-    """The (first, last) BF16 layer counts, range-checked against the model depth."""
+    """The (first, last) BF16 layer counts, range-checked against the model depth. The last:
+    `bf16_last_layers`, else ceil(`bf16_last_fraction` x depth), else the model's."""
     first = model_first if cfg.bf16_first_layers is None else cfg.bf16_first_layers
-    last = model_last if cfg.bf16_last_layers is None else cfg.bf16_last_layers
+    if cfg.bf16_last_layers is not None:
+        last = cfg.bf16_last_layers
+    elif cfg.bf16_last_fraction is not None:
+        # The fraction as written (0.15 is 3/20, not the binary float just below it), so that a
+        # product that is a whole number is not rounded up past it.
+        last = math.ceil(Fraction(str(cfg.bf16_last_fraction)) * num_layers)
+    else:
+        last = model_last
     for key, value in (("bf16_first_layers", first), ("bf16_last_layers", last)):
         if value < 0:
             raise ValueError(f"precision.{key}={value} is negative: use 0 or more")
@@ -254,7 +281,8 @@ def resolve_bf16_layers(
 
 class PrecisionPolicy:
     """Decides the formats of every linear, one per GEMM pass: from the pattern-layer index (the
-    recipe's formats, BF16 for the first/last layers), then `precision.overrides` per linear name.
+    recipe's formats, BF16 for the first/last layers), then `precision.overrides` per linear name
+    (in the BF16 layers too unless `overrides_in_bf16_layers` is false).
 
     `linear_names` maps a layer kind to its linears' module names (model.specs.LINEAR_NAMES);
     needed when the config has overrides."""
@@ -292,11 +320,12 @@ class PrecisionPolicy:
         fmt = PassFormats(BF16) if in_bf16 else self.formats
         kind = self.layer_kinds[index]
         changed = []
-        for n in self.linear_names.get(kind, ()):
-            override = self.overrides.get(f"layers.{index}.{n}")
-            linear = fmt if override is None else fmt.replace(override)
-            if linear != fmt:
-                changed.append((n, linear))
+        if self.cfg.overrides_in_bf16_layers or not in_bf16:
+            for n in self.linear_names.get(kind, ()):
+                override = self.overrides.get(f"layers.{index}.{n}")
+                linear = fmt if override is None else fmt.replace(override)
+                if linear != fmt:
+                    changed.append((n, linear))
         return LayerPrecision(index=index, kind=kind, format=fmt, linears=tuple(changed))
 
     def layers(self) -> list[LayerPrecision]:
@@ -342,6 +371,7 @@ class PrecisionPolicy:
             "gemm": cfg.gemm,
             "kernels": cfg.kernels,
             "overrides": dict(cfg.overrides),
+            "overrides_in_bf16_layers": cfg.overrides_in_bf16_layers,
         }
 
 

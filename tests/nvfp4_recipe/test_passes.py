@@ -126,6 +126,16 @@ def test_an_override_map_changes_only_the_passes_it_names():
     assert low_precision_formats(p.cfg) == ["nvfp4", "fp8", "mxfp8"]
 
 
+def test_overrides_can_leave_the_bf16_layers_alone():
+    """overrides_in_bf16_layers=false: megatron-core's default for its per-module config (a
+    layer outside the quantized autocast is not quantized by a matcher)."""
+    over = {"*.mixer.out_proj": "mxfp8"}
+    assert policy(format="nvfp4", overrides=over).linear_formats()["layers.0.mixer.out_proj"] == "mxfp8"
+    p = policy(format="nvfp4", overrides=over, overrides_in_bf16_layers=False)
+    assert p.linear_formats()["layers.0.mixer.out_proj"] == "bf16"
+    assert p.linear_formats()["layers.3.mixer.out_proj"] == "mxfp8"
+
+
 def test_two_patterns_giving_one_linear_different_pass_maps_are_an_error():
     with pytest.raises(ValueError, match=r"layers.3.mixer.out_proj matches '\*.out_proj' "
                                          r"\(fprop=mxfp8\) and 'layers.3.\*' \(bf16\)"):
@@ -134,3 +144,20 @@ def test_two_patterns_giving_one_linear_different_pass_maps_are_an_error():
     p = policy(format="nvfp4", overrides={"*.out_proj": {"forward": "mxfp8"},
                                           "layers.3.*proj": {"fprop": "mxfp8"}})
     assert p.linear_formats()["layers.3.mixer.in_proj"] == "mxfp8/nvfp4/nvfp4"
+
+
+@pytest.mark.parametrize("fraction,layers,last", [
+    (0.15, 62, 10), (0.15, 9, 2), (0.15, 20, 3), (0.2, 10, 2), (0.0, 62, 0), (1.0, 5, 5),
+])
+def test_the_bf16_end_layers_as_a_fraction_round_up(fraction, layers, last):
+    p = PrecisionPolicy(PrecisionConfig(format="nvfp4", bf16_last_fraction=fraction,
+                                        bf16_first_layers=0), ["mlp"] * layers, 2, 8)
+    assert (p.first, p.last) == (0, last)
+
+
+def test_the_bf16_end_layers_are_a_count_or_a_fraction():
+    with pytest.raises(ValueError, match="bf16_last_layers=3 and precision.bf16_last_fraction=0.15 "
+                                         "both set the trailing BF16 layers"):
+        PrecisionConfig(format="nvfp4", bf16_last_layers=3, bf16_last_fraction=0.15)
+    with pytest.raises(ValueError, match="bf16_last_fraction=1.5 is not a fraction"):
+        PrecisionConfig(format="nvfp4", bf16_last_fraction=1.5)
