@@ -4,8 +4,9 @@
 Transformer Engine) and measures, at GEMM shapes of the 12B Nemotron-H model:
   * GEMM throughput (TFLOP/s, forward y = x W^T) per path: torch BF16; FP8 (`torch._scaled_mm`,
     per-tensor E4M3, operands pre-quantized; TE `Float8BlockScaling` on CUDA); NVFP4 through TE
-    `NVFP4BlockScaling` (compute capability 10.x only); the nvfp4_recipe emulation (fast and exact
-    GEMM modes, quantization of x and W included, as in training);
+    `NVFP4BlockScaling` (compute capability 10.x only); MXFP8 through TE `MXFP8BlockScaling`
+    (CUDA); the nvfp4_recipe emulation of NVFP4 (fast and exact GEMM modes) and of MXFP8 (fast;
+    shapes whose K and N are whole 32-blocks), quantization of x and W included, as in training;
   * a training step (forward, backward, AdamW) of the demo model (and on CUDA of a ~1B hybrid,
     HYBRID_1B below) in BF16 and NVFP4 (TE on 10.x, else emulated): tokens/s and, on a GPU with a
     known peak, MFU against the dense BF16 peak;
@@ -46,7 +47,8 @@ from compat import seed_model_parallel_rng, te_autocast
 from model.config import ModelConfig
 from model.device import cuda_present, probe_hardware
 from model.flops import flops_per_token as model_flops_per_token
-from nvfp4_recipe import NVFP4Config, nvfp4_linear
+from nvfp4_recipe import MXFP8Config, NVFP4Config, nvfp4_linear, quantized_linear
+from nvfp4_recipe.mxfp8 import MX_BLOCK
 from nvfp4_recipe.linear import emulated_gemm, ops_for
 from nvfp4_recipe.megatron.te_mapping import build_te_recipe, probe_te_support
 from nvfp4_recipe.policy import PrecisionConfig
@@ -123,7 +125,8 @@ def _capability() -> tuple[int, int] | None:
 
 
 def te_status(fmt: str) -> tuple[bool, str]:
-    """Whether the TE row of a format ("bf16", "fp8", "nvfp4") can run here, and why not."""
+    """Whether the TE row of a format ("bf16", "fp8", "nvfp4", "mxfp8") can run here, and why
+    not."""
     return probe_te_support(PrecisionConfig(name=fmt, format=fmt), _capability())
 
 
@@ -172,7 +175,7 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
     seen_skips: set[tuple[object, object]] = set()
     fp8_ok, fp8_why = scaled_mm_status(device)
     gemm = probe_hardware(device).gemm_compute()
-    te_ok = {fmt: te_status(fmt) for fmt in ("bf16", "fp8", "nvfp4")}
+    te_ok = {fmt: te_status(fmt) for fmt in ("bf16", "fp8", "nvfp4", "mxfp8")}
     for shape in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tokens, shape.k, device=device, dtype=torch.bfloat16, generator=gen)
@@ -202,6 +205,16 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
                  "nvfp4 exact": "fp32 GEMM of q*s; quantizes per call",
                  "nvfp4 fast, pre-quantized": "operands quantized outside the timing"}
         skipped: list[dict[str, object]] = []
+        # MXFP8 (TE's MXFP8BlockScaling emulated): K and N whole 32-blocks, else no row for it.
+        if shape.k % MX_BLOCK == 0 and shape.n % MX_BLOCK == 0:
+            paths["mxfp8 fast"] = ("emulated (nvfp4_recipe, fast)",
+                                   lambda: quantized_linear(x, w, None, MXFP8Config(gemm="fast")))
+            notes["mxfp8 fast"] = "quantizes x and W (1x32, E4M3 + E8M0) per call"
+        else:
+            rows.append(_skip("gemm", f"{shape.name}: mxfp8 fast", label,
+                              "emulated (nvfp4_recipe, fast)",
+                              f"K {shape.k} or N {shape.n} not a multiple of the MXFP8 block "
+                              f"({MX_BLOCK})"))
         if fp8_ok:
             amax_x, amax_w = x.abs().amax().float(), w.abs().amax().float()
             sx, sw = (448.0 / amax_x), (448.0 / amax_w)
@@ -217,7 +230,8 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
             skipped.append(_skip("gemm", "fp8 scaled_mm", label, "torch._scaled_mm (E4M3)", fp8_why))
         for fmt, case, path in (("bf16", "te bf16", "TE Linear (bf16)"),
                                 ("fp8", "te fp8 block", "TE Linear, Float8BlockScaling"),
-                                ("nvfp4", "te nvfp4", "TE Linear, NVFP4BlockScaling")):
+                                ("nvfp4", "te nvfp4", "TE Linear, NVFP4BlockScaling"),
+                                ("mxfp8", "te mxfp8", "TE Linear, MXFP8BlockScaling")):
             ok, why = te_ok[fmt]
             if not ok:
                 skipped.append(_skip("gemm", case, label, path, why))

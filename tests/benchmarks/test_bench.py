@@ -48,3 +48,27 @@ def test_load_report_marks_a_loaded_machine():
     assert "1.00 CPUs" in busy.line() and "1.9 0.9 0.4 at end" in busy.line()
     assert LoadReport(None, None, None, 1.0).loaded is None
     assert busy.to_json()["loaded"] is True
+
+
+def test_the_gemm_bench_has_an_mxfp8_row_where_the_shape_is_whole_32_blocks():
+    """The emulated MXFP8 linear is timed beside BF16 and NVFP4 (its vs_bf16 is BF16's time over
+    its own); a shape whose N is not whole 32-blocks gets a skipped row with the reason, and the
+    TE MXFP8 row says why it cannot run here."""
+    import torch
+
+    import benchmarks.hardware as bench
+    from model.device import cuda_present
+
+    shapes = [bench.GemmShape("a", 64, 96), bench.GemmShape("b", 64, 80)]
+    rows = bench.bench_gemms(shapes, 32, torch.device("cpu"), warmup=0, repeats=1, peak=None)
+    by_case = {r["case"]: r for r in rows}
+    mx = by_case["a: mxfp8 fast"]
+    assert mx["status"] == "ok" and mx["ms"] > 0 and mx["unit"] == "TFLOP/s"
+    assert mx["vs_bf16"] == by_case["a: bf16"]["ms"] / mx["ms"]
+    assert "1x32" in mx["note"] and by_case["a: nvfp4 fast"]["status"] == "ok"
+    skipped = by_case["b: mxfp8 fast"]
+    assert skipped["status"] == "skipped"
+    assert skipped["note"] == "K 64 or N 80 not a multiple of the MXFP8 block (32)"
+    if not cuda_present():
+        te = by_case["te mxfp8"]
+        assert te["status"] == "skipped" and te["path"] == "TE Linear, MXFP8BlockScaling"
