@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # On a CPU-only machine pin the local CPU wheel of torch; a GPU machine brings its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup train test test-fast bench gpu-check gpu-wheels ablations components clean
+.PHONY: setup train test test-fast test-system bench gpu-check gpu-wheels ablations components clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,17 @@ setup: $(VENV)/.installed
 train: setup  ## the CPU demo: ~6M-parameter hybrid, 3-6 min of training on 2 cores
 	$(PY) train.py $(ARGS)
 
-test: setup  ## the CI suite (fast + slow, ~25 min on 2 cores)
+# Two tiers, by directory (README "Tests"): tests/system holds every test that starts processes
+# (train.py, torchrun, a module's command line, gloo ranks) or trains runs of several steps, and
+# marks them `slow`; the rest is the unit tier. tests/test_suite_tiers.py keeps them apart.
+test: setup  ## the CI suite: both tiers in one session, the unit tier first
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+test-fast: setup  ## the unit tier (~3 min on 2 cores); -m "not slow" selects the same tests
+	$(PY) -m pytest -q --ignore=tests/system $(PYTEST_ARGS)
+
+test-system: setup  ## the system tier alone
+	$(PY) -m pytest -q tests/system $(PYTEST_ARGS)
 
 bench: setup  ## the hardware bench (benchmarks/hardware.py): GEMMs at 12B shapes, training steps
 	$(PY) -m benchmarks.hardware $(ARGS)

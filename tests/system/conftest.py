@@ -18,7 +18,10 @@ def in_system_tier(path: Path) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    # The hook sees the whole session's items, not only this directory's.
-    for item in items:
-        if in_system_tier(item.path):
-            item.add_marker(pytest.mark.slow)
+    """Mark this tier's tests slow and run them after the unit tier's (in their own order), so
+    that a session of both (`make test`) reports a broken unit test within minutes. The hook sees
+    the whole session's items, not only this directory's."""
+    system = [item for item in items if in_system_tier(item.path)]
+    for item in system:
+        item.add_marker(pytest.mark.slow)
+    items[:] = [item for item in items if not in_system_tier(item.path)] + system
