@@ -62,9 +62,12 @@ LABELS = {
     "bf16": "BF16", "fp8": "FP8 (block-scaled E4M3)", "nvfp4": "NVFP4 (full recipe)",
     "nvfp4_no_rht": "NVFP4 - RHT", "nvfp4_no_sr": "NVFP4 - SR", "nvfp4_no_2d": "NVFP4 - 2D weights",
     "nvfp4_no_bf16_layers": "NVFP4 - BF16 layers", "nvfp4_naive": "NVFP4 naive (nothing)",
-    "mxfp4": "MXFP4", "nvfp4_switch": "NVFP4 + BF16 from 80%",
+    "mxfp4": "MXFP4", "mxfp8": "MXFP8 (E4M3, E8M0 per 32)", "nvfp4_switch": "NVFP4 + BF16 from 80%",
     "nvfp4_mamba_proj_bf16": "NVFP4, Mamba projections BF16",
 }
+# The baselines the 4-bit recipes are measured against, drawn dashed: BF16 and the 8-bit formats
+# (the paper's FP8 block recipe; MXFP8, TE's default Blackwell recipe).
+BASELINES = ("bf16", "fp8", "mxfp8")
 # The study's config on top of recipes/: recipes/experiment/ablations.yaml (its trainer keys are
 # the report's settings); --steps replaces its step count.
 STUDY_OVERRIDES = ["experiment=ablations"]
@@ -552,7 +555,7 @@ def plot(runs: dict, out: Path, key: str, filename: str, title: str, noise_pct: 
             pts = pts[1:]  # the first evaluation is early in warm-up: all configs ~ equal, noisy
         if not pts:
             continue
-        style = "--" if config in ("bf16", "fp8") else "-"
+        style = "--" if config in BASELINES else "-"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=cmap(i % 10),
                 marker="o" if key == "val_loss" else None, ms=3,
                 label=f"{LABELS.get(config, config)} (seeds {','.join(map(str, seeds))})", lw=1.6)

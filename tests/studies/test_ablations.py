@@ -78,6 +78,35 @@ def test_the_report_states_the_runs(fake_ablation_runs, tmp_path):
         assert (out / png).stat().st_size > 10_000, png
 
 
+def test_mxfp8_runs_as_an_8_bit_baseline_and_the_report_shows_it(tmp_path):
+    """recipes/precision/mxfp8.yaml is a config of the study (every recipe is), labelled and drawn
+    as a baseline beside BF16 and FP8; its runs get their row with the seed-matched gap; its
+    config on the study's demo passes the start-up preflight (every linear whole 32-blocks)."""
+    from train_helpers import compose_train
+    from training.preflight import preflight
+
+    assert "mxfp8" in A.CONFIGS and A.CONFIGS[0] == "bf16"
+    assert A.LABELS["mxfp8"].startswith("MXFP8") and "mxfp8" in A.BASELINES
+    assert "precision=mxfp8" in A.run_overrides("mxfp8", 1, 8, tmp_path / "mxfp8-s1")
+
+    runs = tmp_path / "runs"
+    for config, losses in {"bf16": (3.00, 3.02), "mxfp8": (3.01, 3.03)}.items():
+        for seed, loss in enumerate(losses, start=1):
+            write_run(runs / f"{config}-s{seed}", 8, loss)
+    out = tmp_path / "out"
+    res = A.write_report(runs, out)
+    assert res["summary"]["mxfp8"]["paired_gap_pct"] == pytest.approx(
+        [100 * 0.01 / 3.10, 100 * 0.01 / 3.12])
+    readme = (out / "README.md").read_text()
+    assert "| `mxfp8` | 3.1200 ± 0.0141 | 3.1100 / 3.1300 | **+0.32 %** (+0.32, +0.32) |" in readme
+
+    cfg = compose_train("experiment=ablations", "precision=mxfp8")
+    assert cfg.precision.format == "mxfp8"
+    report = preflight(cfg, ("emulated",))
+    assert report.verdict == "ok" and {c.format for c in report.checks} == {"mxfp8"}
+    assert len(report.checks) == 3 * 2 * cfg.model.num_layers  # every layer, no BF16 ones
+
+
 def test_downstream_scores_are_columns_per_recipe(tmp_path):
     runs = tmp_path / "runs"
     for seed, shift in ((1, 0.0), (2, 0.1)):
