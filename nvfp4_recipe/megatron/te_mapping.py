@@ -114,11 +114,12 @@ def during_run(formats: Iterable[PassFormats], cfg: PrecisionConfig) -> list[Pas
 def te_pass_formats(cfg: PrecisionConfig) -> list[PassFormats]:
     """The formats a linear of this config may run on TE, from the config alone (the model's
     layers decide which of them occur): the recipe's and BF16 (the first/last layers), each with
-    every override's passes over it, before and after the switch."""
-    bases = [recipe_formats(cfg), ALL_BF16]
+    every override's passes over it (BF16 only where overrides reach the BF16 layers), before
+    and after the switch."""
+    recipe = recipe_formats(cfg)
+    bases = [recipe, ALL_BF16] if cfg.overrides_in_bf16_layers else [recipe]
     overrides = [parse_pass_map(v, "precision.overrides") for v in cfg.overrides.values()]
-    return during_run([f for base in bases for f in (base, *(base.replace(o) for o in overrides))],
-                      cfg)
+    return during_run([recipe, *(base.replace(o) for base in bases for o in overrides)], cfg)
 
 
 def te_recipe_spec(cfg: PrecisionConfig) -> Optional[dict[str, Any]]:

@@ -103,6 +103,8 @@ def test_the_start_up_check_names_the_release_a_map_needs():
     forward_only = PrecisionConfig(name="x", format="nvfp4",
                                    overrides={"*.mixer.out_proj": {"forward": "mxfp8"}})
     assert te_pass_formats(forward_only) == ["nvfp4", "mxfp8/nvfp4/nvfp4", "mxfp8/bf16/bf16"]
+    forward_only.overrides_in_bf16_layers = False  # then only over the recipe's formats
+    assert te_pass_formats(forward_only) == ["nvfp4", "mxfp8/nvfp4/nvfp4"]
 
 
 def test_the_late_switch_is_a_map_te_must_run_too():

@@ -58,6 +58,18 @@ def test_the_12b_map_layer_by_layer():
     assert (nvfp4.rht, nvfp4.stochastic_rounding, nvfp4.weight_2d) == (True, True, True)
 
 
+def test_on_te_each_linear_runs_one_formats_recipe():
+    """No linear's passes differ: TE runs the map with the per-linear contexts of overrides (the
+    NVFP4 recipe, MXFP8's for out_proj, none for attention) from the release NVFP4 needs."""
+    from nvfp4_recipe.megatron.te_mapping import te_pass_formats, te_supports
+
+    precision = nemotron3().precision
+    assert te_pass_formats(precision) == ["nvfp4", "mxfp8"]
+    assert te_supports(precision, (10, 0), "12.9", "2.8.0") == (True, "")
+    assert "NVFP4BlockScaling needs transformer_engine >= 2.8" in te_supports(
+        precision, (10, 0), "12.9", "2.7.0")[1]
+
+
 def test_the_demo_map_keeps_the_other_recipes_demo_behaviour_apart():
     """On the demo's 9 layers the end is the last 2 (ceil(1.35)), as the demo's own default; the
     first layer is quantized (no leading BF16 layers). precision=nvfp4 is unchanged."""
