@@ -169,8 +169,14 @@ def test_a_value_error_outside_the_config_checks_of_the_start_up_is_a_bug(
         bad = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}",
                                           f"data.cache_dir={demo_corpus[0]}",
                                           "precision.switch_to_bf16.at_fraction=1.5"])
+    from training.distributed import group_joined
+
+    assert not group_joined()
     with pytest.raises(ValueError, match="a bug in the preflight"):
         entry.run(raw)
+    # refused after joining the process group: the group is left all the same, so the next start
+    # in this process reads the launched world size from the environment, not a stale group
+    assert not group_joined()
     assert entry.run(bad) == ExitCode.CONFIG  # a bad value is still exit 2
     assert not (tmp_path / "run").exists()
 

@@ -176,6 +176,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+def group_joined() -> bool:
+    """Whether this process is in a process group (init_distributed ran and shutdown did not)."""
+    return dist.is_initialized()
+
+
 def shutdown() -> None:
     from megatron.core import parallel_state
 

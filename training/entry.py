@@ -19,7 +19,7 @@ from nvfp4_recipe.megatron.te_mapping import te_environment_refusal, te_formats
 
 from . import run_dir as run_dir_lib
 from .config import TrainConfig, validate
-from .distributed import init_distributed, launched_world_size, shutdown
+from .distributed import group_joined, init_distributed, launched_world_size, shutdown
 from .downstream import prepare_tasks
 from .metrics import setup_logging
 from .plan import dry_run, plan_world_size
@@ -87,6 +87,9 @@ def run(raw) -> int:
     ctx = None
     stop = StopSignal()
     run_dir = Path(str(raw.run.dir))
+    # A start-up refused after joining the process group returns no context: the group this
+    # call joined is still left, so the next run in this process (a test's) starts clean.
+    joins_group = not group_joined()
     try:
         cfg, ctx, preflight = _start_up(raw)
         if cfg.run.dry_run:
@@ -116,5 +119,6 @@ def run(raw) -> int:
     finally:
         if ctx is not None:
             release_run_dir(run_dir)  # if this process took it
+        if ctx is not None or (joins_group and group_joined()):
             shutdown()
         stop.restore()
