@@ -296,3 +296,18 @@ def test_mxfp8_refusals_are_one_line_before_anything_is_written(tmp_path, monkey
             text="applies to --weights nvfp4 with input scales only")
     bf16 = PrecisionConfig(name="bf16", format="bf16")
     refused(bf16, "--weights", "mxfp8", text="never trained a linear in MXFP8")
+
+
+def test_a_linear_exports_in_the_format_its_forward_ran_in():
+    """With a format per pass the export writes the forward's weights: an MXFP8 Fprop with NVFP4
+    backward GEMMs is an MXFP8 linear, a BF16 Fprop a BF16 one, whatever its backward ran in."""
+    from nvfp4_recipe.passes import PassFormats
+
+    formats = {"layers.1.mixer.out_proj": PassFormats("mxfp8", "nvfp4", "nvfp4"),
+               "layers.1.mixer.in_proj": PassFormats("bf16", "nvfp4", "nvfp4"),
+               "layers.2.mlp.linear_fc1": PassFormats("nvfp4"), "layers.2.mlp.linear_fc2": "bf16"}
+    assert hf_nvfp4.forward_formats(formats) == {
+        "layers.1.mixer.out_proj": "mxfp8", "layers.1.mixer.in_proj": "bf16",
+        "layers.2.mlp.linear_fc1": "nvfp4", "layers.2.mlp.linear_fc2": "bf16"}
+    assert hf_nvfp4.bf16_linear_names(TINY, formats, ("nvfp4", "mxfp8")) == [
+        "lm_head", "model.layers.1.mixer.in_proj", "model.layers.2.mixer.down_proj"]
