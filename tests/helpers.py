@@ -142,6 +142,13 @@ def model_full_tensors(module) -> dict:
     return out
 
 
+def nvfp4(**fields):
+    """The NVFP4 recipe's PrecisionConfig with these fields changed."""
+    from nvfp4_recipe.policy import PrecisionConfig
+
+    return PrecisionConfig(name="nvfp4", format="nvfp4", **fields)
+
+
 def recompute_settings() -> list:
     """The recompute settings the tests compare: megatron's none, selective and full, and full's
     uniform and block methods."""

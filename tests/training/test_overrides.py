@@ -1,7 +1,8 @@
 """precision.overrides: per-linear formats through the one precision policy. They change the
 precision map, the plan, the emulated losses (exactly as if those linears' layers were BF16) and,
 on the TE spec, the context each linear's forward runs in; a pattern that matches nothing is an
-error (exit 2). train.py's start-up with overrides (the refusal, the precision map it logs):
+error (exit 2). The emulated losses over training steps: tests/system/test_overrides_training.py;
+train.py's start-up with overrides (the refusal, the precision map it logs):
 tests/system/test_start_up.py."""
 
 from __future__ import annotations
@@ -12,17 +13,13 @@ import pytest
 import torch
 
 from nvfp4_recipe.policy import PrecisionConfig, PrecisionPolicy, RuntimePrecisionState
-from helpers import model_config, train_config
+from helpers import model_config, nvfp4, train_config
 
 PATTERN_12B = "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-"
 KINDS_12B = [{"M": "mamba", "*": "attention", "-": "mlp"}[c] for c in PATTERN_12B]
 NAMES = {"mamba": ("mixer.in_proj", "mixer.out_proj"),
          "attention": ("self_attention.linear_qkv", "self_attention.linear_proj"),
          "mlp": ("mlp.linear_fc1", "mlp.linear_fc2")}
-
-
-def nvfp4(**kw) -> PrecisionConfig:
-    return PrecisionConfig(name="nvfp4", format="nvfp4", **kw)
 
 
 def policy_12b(**kw) -> PrecisionPolicy:
@@ -116,44 +113,6 @@ def test_overrides_change_the_plan(parallel_context):
     # The preflight checks only the low-precision GEMMs: in_proj's are gone.
     assert plain["preflight"]["verdict"] == "slower" and over["preflight"]["verdict"] == "ok"
     assert len(over["preflight"]["gemms"]) == len(plain["preflight"]["gemms"]) - 2 * 3 * 23
-
-
-# -- the emulated losses ---------------------------------------------------------------------------
-
-
-def _losses(precision: PrecisionConfig, steps: int = 3) -> list[float]:
-    """A few SGD steps of the demo model (emulated GEMMs, stochastic rounding from the global
-    RNG): forward, backward (Dgrad and Wgrad quantized), update."""
-    from model.build import build_model
-
-    torch.manual_seed(0)
-    built = build_model(model_config("demo"), precision, vocab_size=512, backend="emulated")
-    model = built.module
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 512, (2, 64), generator=gen)
-    torch.manual_seed(2)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(tokens, None, None, labels=tokens).float().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
-def test_overrides_change_the_emulated_losses_as_bf16_layers_would(parallel_context):
-    """Demo (9 layers, first 1 / last 2 BF16): overriding every linear of layers 1 and 2 to BF16
-    trains exactly like bf16_first_layers=3, and differently from the plain recipe."""
-    plain = _losses(nvfp4())
-    overridden = _losses(nvfp4(overrides={"layers.1.*": "bf16", "layers.2.*": "bf16"}))
-    as_layers = _losses(nvfp4(bf16_first_layers=3))
-    assert overridden == as_layers
-    assert overridden != plain
-    # One linear only: differs from both.
-    one = _losses(nvfp4(overrides={"layers.1.mlp.linear_fc1": "bf16"}))
-    assert one != plain and one != as_layers
 
 
 # -- the TE spec: the context each linear runs in --------------------------------------------------
