@@ -109,9 +109,13 @@ def e8m0_reciprocal(biased: torch.Tensor) -> torch.Tensor:
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """max |x| per block (last dim) in FP32, NaN elements ignored as fmaxf ignores them (step 1)."""
-    magnitude = blocks.abs()
+    r, n_blocks, block = blocks.shape
+    magnitude = blocks.float().abs()
     magnitude.masked_fill_(torch.isnan(magnitude), 0.0)
-    return magnitude.amax(dim=-1).float()
+    # max_pool1d over the row is several times faster on CPU than amax over a trailing dim of 32
+    # (as nvfp4.py's block amax); the same maxima.
+    pooled = torch.nn.functional.max_pool1d(magnitude.view(1, r, n_blocks * block), block, block)
+    return pooled.view(r, n_blocks)
 
 
 def _quantize_mxfp8_core(
