@@ -19,7 +19,7 @@ from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, te_layer_context
 
 from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
 from .backend import fused_conv1d_loads
-from .config import ModelConfig, precision_policy  # noqa: F401  (re-exported)
+from .config import ModelConfig, policy_for, precision_policy  # noqa: F401  (re-exported)
 from .mamba_mixer import mamba_kernels_how
 from .recompute import RecomputeConfig
 from .specs import portable_layer_spec, te_layer_spec, with_linear_contexts
@@ -157,16 +157,19 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 post_process: bool = True, pg_collection=None, initialize: bool = True,
                 backend: str | None = None, params_dtype: torch.dtype = torch.float32,
                 recompute: RecomputeConfig = RecomputeConfig(), sequence_parallel: bool = False,
-                cuda: bool = False, main_grads: bool = False, **stage_kwargs) -> BuiltModel:
+                cuda: bool = False, main_grads: bool = False,
+                policy: PrecisionPolicy | None = None, **stage_kwargs) -> BuiltModel:
     """The megatron-core hybrid model with one layer spec per pattern layer.
 
     `cuda`: the run's device is a GPU (`Hardware.cuda`): the weights are initialised there
     (use_cpu_initialization); the TE spec's Mamba mixer takes megatron's fused path where
     mamba_ssm's fused kernel can call causal_conv1d (backend.mamba_mem_eff_path). `main_grads`:
     the model will train under megatron's DDP (FP32 main grads), so Wgrad may accumulate into
-    them (gradient_accumulation_fusion). The defaults build what CPU runs and tests always built.
+    them (gradient_accumulation_fusion). `policy`: the start-up's precision policy of `cfg` and
+    `precision` (refused if built from other objects); None builds it. The defaults build what
+    CPU runs and tests always built.
     `cfg` checked its own fields when it was made (ModelConfig.__post_init__)."""
-    policy = precision_policy(cfg, precision)
+    policy = policy_for(cfg, precision, policy)
     if backend is None:
         backend, _ = choose_backend(precision, cfg.spec)
     if cfg.spec != "auto" and SPEC_OF_BACKEND[backend] != cfg.spec:

@@ -117,3 +117,16 @@ def precision_policy(cfg: ModelConfig, precision: PrecisionConfig) -> PrecisionP
     `precision` key, e.g. an override pattern that matches no linear)."""
     return PrecisionPolicy(precision, cfg.layer_kinds(), cfg.bf16_first_layers,
                            cfg.bf16_last_layers, linear_names=LINEAR_NAMES)
+
+
+def policy_for(cfg: ModelConfig, precision: PrecisionConfig,
+               policy: Optional[PrecisionPolicy] = None) -> PrecisionPolicy:
+    """`policy`, the one the start-up built, checked to be this model's and this `precision`
+    object's (a policy of another config would build or check a different model); None builds
+    it (`precision_policy`), for a caller that has none."""
+    if policy is None:
+        return precision_policy(cfg, precision)
+    if policy.cfg is not precision or policy.layer_kinds != cfg.layer_kinds():
+        raise ValueError("the precision policy handed in was built from another config: "
+                         "pass the policy of this model and precision config")
+    return policy

@@ -27,7 +27,7 @@ from model.config import ModelConfig, precision_policy
 from model.hf import check_init_from
 from model.memory_model import pipeline_stages
 from model.recompute import GRANULARITIES, METHODS, RecomputeConfig
-from nvfp4_recipe.policy import USER_KEYS, PrecisionConfig, resolve_bf16_layers
+from nvfp4_recipe.policy import USER_KEYS, PrecisionConfig, PrecisionPolicy, resolve_bf16_layers
 
 from .distributed import DEFAULT_TIMEOUT_MINUTES, data_parallel_size
 from .init_from import check_run_init, is_run_dir
@@ -257,13 +257,15 @@ def _open_user_keys(node: DictConfig, cls) -> None:
             _open_user_keys(node[f.name], hints[f.name])
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
+def validate(cfg: TrainConfig, world_size: int) -> PrecisionPolicy:
     """The checks across groups and over `world_size` processes, then those that read files,
     before anything is written; each error names a key. Every group checked its own fields when
     it was built (`__post_init__`). ConfigError (exit 2); a run's missing data file or tokenizer
     is a MissingDataError (exit 3), an unusable model.init_from an HFError (a Hugging Face
-    directory) or a RunDirError (a run directory); a dry run plans without the data files."""
-    check_across_groups(cfg, world_size)
+    directory) or a RunDirError (a run directory); a dry run plans without the data files.
+    Returns the precision policy the checks built, which the start-up hands to the preflight,
+    the plan and the model."""
+    policy = check_across_groups(cfg, world_size)
     if cfg.model.init_from is not None:
         check_init_from(cfg.model)  # a Hugging Face directory: config.json and the file list
         if is_run_dir(cfg.model.init_from):  # its shape and a usable checkpoint, read-only
@@ -271,10 +273,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if not cfg.run.dry_run:
         check_files_exist(cfg.data)
     check_runnable(cfg.data)  # after the files: a missing tokenizer is reported as missing
+    return policy
 
 
-def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
-    """The pure checks that involve more than one group, or the world size (ConfigError)."""
+def check_across_groups(cfg: TrainConfig, world_size: int) -> PrecisionPolicy:
+    """The pure checks that involve more than one group, or the world size (ConfigError).
+    Returns the precision policy, built here to check the precision config against the model."""
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     dp = data_parallel_size(t, p, world_size)
     tr = cfg.trainer
@@ -297,7 +301,7 @@ def check_across_groups(cfg: TrainConfig, world_size: int) -> None:
                                 cfg.model.bf16_last_layers)
         pipeline_stages(cfg.model.num_layers, p, cfg.parallel.first_stage_layers,
                         cfg.parallel.last_stage_layers)
-        precision_policy(cfg.model, cfg.precision)  # e.g. an override matching no linear
+        return precision_policy(cfg.model, cfg.precision)  # e.g. an override matching no linear
     except ConfigError:
         raise
     except ValueError as exc:

@@ -47,16 +47,17 @@ def _config_errors():
 
 def _start_up(raw):
     """The config checked against itself, the world and the machine, before anything is
-    written: (config, parallel context, GEMM preflight); (config, context, None) for a dry run."""
+    written: (config, parallel context, precision policy, GEMM preflight); the preflight is None
+    for a dry run. The policy is built once, by the config's checks, and handed on."""
     with _config_errors():
         cfg: TrainConfig = OmegaConf.to_object(raw)
     if cfg.run.dry_run:  # plans the configured layout from one process, on the meta device
         with _config_errors():
             world = plan_world_size(cfg)
-            validate(cfg, world)
-        return cfg, init_distributed(1, 1, cfg.parallel.backend), None
+            policy = validate(cfg, world)
+        return cfg, init_distributed(1, 1, cfg.parallel.backend), policy, None
     with _config_errors():  # every group, data files included, before anything is written
-        validate(cfg, launched_world_size())
+        policy = validate(cfg, launched_world_size())
     ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
                            timeout_minutes=cfg.parallel.timeout_minutes)
     # deferred: model.build imports megatron (~3 s); the checks above refuse a bad config first
@@ -69,13 +70,13 @@ def _start_up(raw):
         refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
         if refusal:
             raise ConfigError(refusal)
-    preflight = run_preflight(cfg, backend, ctx.hardware)
+    preflight = run_preflight(cfg, policy, backend, ctx.hardware)
     refusal = preflight.refusal()  # also: an override matching nothing
     if refusal:
         raise ConfigError(refusal)
     if cfg.evaluation.tasks:  # an unknown task (exit 2), a dataset not here offline (3)
         prepare_tasks(list(cfg.evaluation.tasks))
-    return cfg, ctx, preflight
+    return cfg, ctx, policy, preflight
 
 
 def run(raw) -> int:
@@ -91,14 +92,14 @@ def run(raw) -> int:
     # call joined is still left, so the next run in this process (a test's) starts clean.
     joins_group = not group_joined()
     try:
-        cfg, ctx, preflight = _start_up(raw)
+        cfg, ctx, policy, preflight = _start_up(raw)
         if cfg.run.dry_run:
-            return dry_run(cfg, ctx)
+            return dry_run(cfg, ctx, policy)
         from .trainer import Trainer, prepare_run_dir  # deferred: megatron, as in _start_up
 
         prepare_run_dir(cfg, ctx)
         setup_logging(run_dir, ctx.is_main)
-        return Trainer(cfg, ctx, stop, preflight).fit()
+        return Trainer(cfg, ctx, stop, preflight, policy).fit()
     except UnsafeFile as exc:  # metrics.jsonl, train.log planted as a link
         log.error(f"error: run.dir={run_dir}: {exc}")
         return exc.code

@@ -177,8 +177,9 @@ def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
 
-def _build_meta(cfg, vocab_padded: int):
-    """The full (TP = 1) model on the meta device; returns the BuiltModel."""
+def _build_meta(cfg, vocab_padded: int, policy=None):
+    """The full (TP = 1) model on the meta device, with `policy` (the start-up's precision
+    policy; None builds it); returns the BuiltModel."""
     import torch
     from megatron.core import parallel_state
 
@@ -195,7 +196,7 @@ def _build_meta(cfg, vocab_padded: int):
     model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_padded, spec="portable")
     with torch.device("meta"):
         return build_model(model_cfg, cfg.precision, vocab_size=vocab_padded, initialize=False,
-                           backend="emulated")
+                           backend="emulated", policy=policy)
 
 
 def _plan_backend(cfg, plan: PlanConfig) -> tuple[str, str]:
@@ -428,9 +429,10 @@ def _time(cfg, plan: PlanConfig, layout: _Layout, flops_per_token: float) -> dic
     }
 
 
-def build_plan(cfg, plan: Optional[PlanConfig] = None) -> dict[str, Any]:
+def build_plan(cfg, plan: Optional[PlanConfig] = None, policy=None) -> dict[str, Any]:
     """The plan of a TrainConfig as the plan.json dictionary (needs megatron's parallel state
-    initialised with tensor = pipeline = 1)."""
+    initialised with tensor = pipeline = 1). `policy`: the start-up's precision policy of `cfg`
+    (training.config.validate's); None builds it, once, for the model and the preflight."""
     from model.build import padded_vocab_size  # deferred: megatron, as in _build_meta
 
     plan = plan or plan_config_of(cfg)
@@ -441,13 +443,14 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None) -> dict[str, Any]:
 
     vocab, vocab_source = resolve_vocab(cfg)
     vocab_padded = padded_vocab_size(vocab, m.vocab_multiple, layout.tensor)
-    built = _build_meta(cfg, vocab_padded)
+    built = _build_meta(cfg, vocab_padded, policy)
     params = _count_parameters(built, m, layout.tensor, vocab_padded)
     stage_rows, per_token, input_bytes = _stage_rows(cfg, layout, params, backend, recompute,
                                                      vocab_padded)
     memory = _memory(cfg, layout, stage_rows, per_token, input_bytes, backend, recompute)
     flops = flops_per_token_terms(m, cfg.trainer.seq_length, vocab_padded)
-    checks = preflight(cfg, preflight_backends(cfg.precision, m.spec), probe_device(cfg))
+    checks = preflight(cfg, built.policy, preflight_backends(cfg.precision, m.spec),
+                       probe_device(cfg))
 
     return {
         "parameters": params.total,
@@ -576,14 +579,14 @@ def print_plan(plan: dict, console=None) -> None:
         console.print(f"preflight: {line}", style=style, soft_wrap=True)
 
 
-def dry_run(cfg, ctx) -> int:
-    """Plan the run of `cfg` (a TrainConfig), print it, write run.dir/plan.json on rank 0.
-    Returns 2 when the preflight says the run would be refused (the plan, which says why, is
-    written first), else 0.
+def dry_run(cfg, ctx, policy=None) -> int:
+    """Plan the run of `cfg` (a TrainConfig) with `policy` (as build_plan), print it, write
+    run.dir/plan.json on rank 0. Returns 2 when the preflight says the run would be refused
+    (the plan, which says why, is written first), else 0.
 
     `ctx` is the current process group's ParallelContext; megatron's parallel state must be
     initialised with tensor = pipeline = 1 (the plan needs no GPUs and no real world size)."""
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, policy=policy)
     refusal = plan["preflight"]["verdict"] == "fail"
     if ctx is None or ctx.is_main:
         print_plan(plan)

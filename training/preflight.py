@@ -8,6 +8,7 @@ machine's GPU and TE release against the known-bad table. The trainer runs it at
 
 from __future__ import annotations
 
+from model.config import policy_for
 from model.device import probe_hardware
 from nvfp4_recipe.gemm_support import (CANDIDATE_TENSOR_SIZES, DeviceSetting, Linear, Report,
                                        Setting, check_linears, known_bad_hits, layout_verdicts)
@@ -51,19 +52,19 @@ def probe_device(cfg, activation_dtype: str = "bf16", hardware=None):
                          activation_dtype=activation_dtype)
 
 
-def preflight(cfg, backends, device=None):
+def preflight(cfg, policy, backends, device=None):
     """The preflight Report of a TrainConfig (nvfp4_recipe/gemm_support.py): every low-precision
     GEMM at parallel.tensor, micro-batch x sequence rows, for each backend in `backends`; the
     same at each candidate tensor size (which layouts are clean); `device` against the known-bad
-    table where TE is among the backends. Raises ValueError for a bad precision key (an override
-    pattern that matches nothing)."""
-    # deferred: model.build and model.specs import megatron (~3 s), and training.config imports
-    # this module (through training.plan): a refused start exits before megatron loads
-    from model.build import precision_policy
+    table where TE is among the backends. `policy`: the precision policy of cfg.model and
+    cfg.precision (training.config.validate's, or model.config.precision_policy's; ValueError
+    for one built from other objects; None builds it)."""
+    # deferred: model.specs imports megatron (~3 s), and training.config imports this module
+    # (through training.plan): a refused start exits before megatron loads
     from model.specs import layout_problems, linear_shapes
 
     m, par, tr, p = cfg.model, cfg.parallel, cfg.trainer, cfg.precision
-    formats = {n: f for n, f in precision_policy(m, p).linear_formats().items() if f != "bf16"}
+    formats = {n: f for n, f in policy_for(m, p, policy).linear_formats().items() if f != "bf16"}
     tokens = tr.micro_batch_size * tr.seq_length
 
     def checks_at(tensor: int, backend: str):
@@ -100,9 +101,9 @@ def preflight(cfg, backends, device=None):
     return report
 
 
-def run_preflight(cfg, backend: str, hardware, activation_dtype: str = "bf16"):
-    """The start-up preflight of a run on `backend` ("te" | "emulated") and `hardware` (the
-    run's, model/device.py); the device is checked only for TE. Its `refusal()` stops the run
-    before anything is written (exit 2)."""
+def run_preflight(cfg, policy, backend: str, hardware, activation_dtype: str = "bf16"):
+    """The start-up preflight of a run with `policy` (its precision policy, as `preflight`) on
+    `backend` ("te" | "emulated") and `hardware` (the run's, model/device.py); the device is
+    checked only for TE. Its `refusal()` stops the run before anything is written (exit 2)."""
     device = probe_device(cfg, activation_dtype, hardware) if backend == "te" else None
-    return preflight(cfg, (backend,), device)
+    return preflight(cfg, policy, (backend,), device)

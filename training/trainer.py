@@ -58,8 +58,10 @@ class StepResult:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, stop: Optional[StopSignal] = None,
-                 preflight=None):
-        """`preflight`: entry.run()'s run_preflight result, so start-up checks the GEMMs once."""
+                 preflight=None, policy=None):
+        """`preflight`: entry.run()'s run_preflight result, so start-up checks the GEMMs once;
+        `policy`: the precision policy its config check built (training.config.validate), so
+        start-up builds it once (None: build_model builds it)."""
         self.cfg, self.ctx = cfg, ctx
         self.stop = stop or StopSignal()
         tr = cfg.trainer
@@ -87,7 +89,7 @@ class Trainer:
             params_dtype=PARAMS_DTYPE, recompute=recompute_config(tr),
             sequence_parallel=cfg.parallel.sequence,
             # GPU: initialise there, megatron's fused Mamba path and Wgrad fusion where they run
-            cuda=ctx.hardware.cuda, main_grads=uses_megatron_ddp(ctx.device),
+            cuda=ctx.hardware.cuda, main_grads=uses_megatron_ddp(ctx.device), policy=policy,
         )
         # What flows between pipeline stages: [sequence, micro-batch, hidden] activations.
         self.activation_shape = (tr.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
@@ -134,7 +136,8 @@ class Trainer:
         log.info(f"device: {ctx.hardware.describe()}; {self.gemm.describe()}")
         log.info(f"model paths: {self.built.paths}")
         if self.precision.quantizes:
-            for line in (preflight or run_preflight(cfg, backend, ctx.hardware)).summary():
+            for line in (preflight or run_preflight(cfg, self.built.policy, backend,
+                                                    ctx.hardware)).summary():
                 log.info(line)
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "

@@ -59,8 +59,8 @@ def build_trainer(steps: int, seed: int, run_dir: Path):
     with initialize_config_dir(str(REPO / "recipes"), version_base=None):
         cfg = OmegaConf.to_object(compose("train", overrides=overrides))
     ctx = init_distributed(1, 1, "gloo")
-    validate(cfg, ctx.world_size)
-    return Trainer(cfg, ctx), cfg, overrides
+    policy = validate(cfg, ctx.world_size)
+    return Trainer(cfg, ctx, policy=policy), cfg, overrides
 
 
 def log(msg: str, t0: float) -> None:

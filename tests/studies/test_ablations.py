@@ -82,6 +82,7 @@ def test_mxfp8_runs_as_an_8_bit_baseline_and_the_report_shows_it(tmp_path):
     """recipes/precision/mxfp8.yaml is a config of the study (every recipe is), labelled and drawn
     as a baseline beside BF16 and FP8; its runs get their row with the seed-matched gap; its
     config on the study's demo passes the start-up preflight (every linear whole 32-blocks)."""
+    from model.config import precision_policy
     from train_helpers import compose_train
     from training.preflight import preflight
 
@@ -102,7 +103,7 @@ def test_mxfp8_runs_as_an_8_bit_baseline_and_the_report_shows_it(tmp_path):
 
     cfg = compose_train("experiment=ablations", "precision=mxfp8")
     assert cfg.precision.format == "mxfp8"
-    report = preflight(cfg, ("emulated",))
+    report = preflight(cfg, precision_policy(cfg.model, cfg.precision), ("emulated",))
     assert report.verdict == "ok" and {c.format for c in report.checks} == {"mxfp8"}
     assert len(report.checks) == 3 * 2 * cfg.model.num_layers  # every layer, no BF16 ones
 

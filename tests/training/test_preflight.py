@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from model.config import precision_policy
 from nvfp4_recipe.gemm_support import (KNOWN_BAD, RULES, DeviceSetting, Linear, Setting,
                                     check_linear, known_bad_hits)
 from nvfp4_recipe.policy import PrecisionConfig
@@ -276,7 +277,8 @@ def test_12b_layouts_at_tensor_1_2_4_8():
     paths; the emulation runs all four; every other linear is clean at all four."""
     from training.preflight import preflight
 
-    report = preflight(cfg_12b(8), ("te", "emulated"))
+    cfg = cfg_12b(8)
+    report = preflight(cfg, precision_policy(cfg.model, cfg.precision), ("te", "emulated"))
     layouts = report.layouts
     assert {t: layouts[t]["te"]["verdict"] for t in (1, 2, 4, 8)} == {
         1: "ok", 2: "slower", 4: "slower", 8: "slower"}
@@ -352,7 +354,8 @@ def test_12b_mxfp8_verdicts_per_backend_and_tensor_size(backend, checked):
 
     precision = mxfp8(backend=backend)
     assert preflight_backends(precision, "auto") == checked
-    report = preflight(cfg_12b(8, precision), checked)
+    cfg = cfg_12b(8, precision)
+    report = preflight(cfg, precision_policy(cfg.model, precision), checked)
     assert {t: {b: report.layouts[t][b]["verdict"] for b in checked} for t in (1, 2, 4, 8)} == {
         t: {b: "fail" if t == 8 else "ok" for b in checked} for t in (1, 2, 4, 8)}
     failing = {(c.backend, c.linear.split(".", 2)[2], c.gemm) for c in report.checks
@@ -401,7 +404,8 @@ def test_override_to_bf16_makes_the_12b_clean_at_tensor_8():
     """The layout the TP-8 message points at, the other way round: keep in_proj in BF16."""
     from training.preflight import preflight
 
-    report = preflight(cfg_12b(8, nvfp4(overrides={"*.mixer.in_proj": "bf16"})), ("te",))
+    cfg = cfg_12b(8, nvfp4(overrides={"*.mixer.in_proj": "bf16"}))
+    report = preflight(cfg, precision_policy(cfg.model, cfg.precision), ("te",))
     assert report.verdict == "ok" and report.problems() == []
     assert not any("in_proj" in c.linear for c in report.checks)
 
@@ -411,8 +415,30 @@ def test_a_layout_megatron_cannot_split_would_fail():
     preflight says so first, and lists the layouts per tensor size."""
     from training.preflight import preflight
 
-    report = preflight(train_config("demo", nvfp4(), tensor=4), ("emulated",))
+    cfg = train_config("demo", nvfp4(), tensor=4)
+    report = preflight(cfg, precision_policy(cfg.model, cfg.precision), ("emulated",))
     assert report.verdict == "fail" and report.checks == []
     assert "model.mamba_num_groups=2 is not divisible by tensor parallel 4" in report.refusal()
     assert {t: v["emulated"]["verdict"] for t, v in report.layouts.items()} == {
         1: "ok", 2: "ok", 4: "fail", 8: "fail"}
+
+
+def test_a_policy_of_another_config_is_refused_by_the_preflight_and_the_model():
+    """The start-up hands its one precision policy on; one built from another precision config
+    (an equal one included: the check is on the object the run holds) or another pattern would
+    check or build a different model, so the preflight and build_model refuse it."""
+    from model.build import build_model
+    from training.preflight import preflight
+
+    cfg = train_config("demo", nvfp4())
+    other_precision = precision_policy(cfg.model, nvfp4())
+    demo_12b = cfg_12b(1)
+    other_model = precision_policy(demo_12b.model, cfg.precision)
+    for policy in (other_precision, other_model):
+        with pytest.raises(ValueError, match="built from another config"):
+            preflight(cfg, policy, ("emulated",))
+        with pytest.raises(ValueError, match="built from another config"):
+            build_model(cfg.model, cfg.precision, vocab_size=256, backend="emulated",
+                        policy=policy)
+    own = precision_policy(cfg.model, cfg.precision)
+    assert preflight(cfg, own, ("emulated",)).verdict == "ok"
