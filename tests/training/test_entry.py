@@ -46,3 +46,34 @@ def test_a_te_run_refuses_a_recipe_changed_by_the_environment(parallel_context, 
     with pytest.raises(ConfigError, match="NVTE_BACKWARD_OVERRIDE=.dequantized."):
         entry._start_up(raw)
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_the_start_up_builds_the_precision_policy_once(monkeypatch, tmp_path, data_cache, dry_run):
+    """A start builds the precision policy once (the config check) and hands that object to the
+    preflight and the model; a dry run hands it to the plan's meta model and its preflight."""
+    from hydra import compose, initialize_config_dir
+
+    from nvfp4_recipe.policy import PrecisionPolicy
+    from training import entry
+    from training.config import register_configs
+    from train_helpers import FAST
+
+    built = []
+    init = PrecisionPolicy.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(args[0] if args else kwargs["cfg"])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrecisionPolicy, "__init__", counted)
+    monkeypatch.setenv("NVFP4_CACHE", str(data_cache))
+    monkeypatch.setattr("training.trainer.Trainer.fit", lambda self: 0)
+    register_configs()
+    with initialize_config_dir(str(REPO / "recipes"), version_base=None):
+        raw = compose("train", overrides=[*FAST, f"run.dir={tmp_path / 'run'}", "precision=nvfp4",
+                                          f"run.dry_run={str(dry_run).lower()}"])
+    assert entry.run(raw) == 0
+    assert len(built) == 1, f"{len(built)} PrecisionPolicy constructions"
+    if dry_run:
+        assert (tmp_path / "run" / "plan.json").exists()
