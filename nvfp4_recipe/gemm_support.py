@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
+from nvfp4_recipe.passes import PassFormats
+
 VERDICTS = ("ok", "slower", "fail")  # in order of severity
 VERDICT_TEXT = {"ok": "ok", "slower": "slower path", "fail": "would fail"}
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -41,7 +43,7 @@ class Linear:
     """One low-precision linear on one tensor-parallel rank."""
 
     name: str  # "layers.3.mixer.in_proj"
-    format: str  # nvfp4 | fp8 | mxfp4 | mxfp8
+    format: str  # nvfp4 | fp8 | mxfp4 | mxfp8, or a per-pass map "fprop/dgrad/wgrad"
     in_features: int  # K, local
     out_features: int  # N, local
     parallel: str = "column"  # column | row (megatron's split)
@@ -206,9 +208,12 @@ def _te_fp8_block_gemm(gemm, op, linear, s):
     return " and ".join(problems) or None
 
 
-def _emulated_block(block: int):
+def _emulated_block(block: int, fmt: str):
     def check(gemm, op, linear, s):
-        if gemm != "fprop":  # checked once per call, before any GEMM; T is zero-padded
+        # Checked once per call, before any GEMM (linear.py: each quantized pass's ops check the
+        # shapes); reported on the first GEMM in this format. T is zero-padded.
+        first = next(g for g in GEMMS if getattr(PassFormats(linear.format), g) == fmt)
+        if gemm != first:
             return None
         if op.tensor == "x":
             return _not_multiple("K (in_features)", op.cols, block)
@@ -284,17 +289,17 @@ RULES: tuple[Rule, ...] = (
          "emulated NVFP4: K and N multiples of the 16-element block (T is zero-padded)",
          "ValueError from the emulated linear",
          "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), BLOCK = 16 (nvfp4.py)",
-         _emulated_block(16)),
+         _emulated_block(16, "nvfp4")),
     Rule("emulated.mxfp4.block_32", "emulated", ("mxfp4",), "fail",
          "emulated MXFP4: K and N multiples of the 32-element block (T is zero-padded)",
          "ValueError from the emulated linear",
          "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp4.py)",
-         _emulated_block(32)),
+         _emulated_block(32, "mxfp4")),
     Rule("emulated.mxfp8.block_32", "emulated", ("mxfp8",), "fail",
          "emulated MXFP8: K and N multiples of the 32-element block (T is zero-padded)",
          "ValueError from the emulated linear",
          "nvfp4_recipe/operands.py:48-61 (_FormatOps.check_shapes), MX_BLOCK = 32 (mxfp8.py)",
-         _emulated_block(32)),
+         _emulated_block(32, "mxfp8")),
     # Emulated FP8 zero-pads a partial 128-block (operands.py: whole_blocks_only = False): no rule.
 )
 
@@ -328,8 +333,10 @@ def check_linear(linear: Linear, setting: Setting) -> list[GemmCheck]:
         raise ValueError(f"unknown backend {setting.backend!r}")
     out = []
     operands = gemm_operands(setting.tokens, linear.in_features, linear.out_features)
-    rules = rules_for(setting.backend, linear.format)
+    formats = PassFormats(linear.format)  # a per-pass map: each GEMM under its own format's rules
     for gemm in GEMMS:
+        fmt = getattr(formats, gemm)
+        rules = rules_for(setting.backend, fmt)
         verdict, reasons = "ok", []
         for op in operands[gemm]:
             for rule in rules:
@@ -339,7 +346,7 @@ def check_linear(linear: Linear, setting: Setting) -> list[GemmCheck]:
                     verdict = max(verdict, rule.severity, key=VERDICTS.index)
         shapes = {f"{op.tensor}{'' if op.usage == 'rowwise' else '^T'}": [op.rows, op.cols]
                   for op in operands[gemm]}
-        out.append(GemmCheck(linear.name, gemm, linear.format, setting.backend, shapes, verdict,
+        out.append(GemmCheck(linear.name, gemm, fmt, setting.backend, shapes, verdict,
                              tuple(dict.fromkeys(reasons))))
     return out
 
