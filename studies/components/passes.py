@@ -9,7 +9,8 @@ import functools
 
 import torch
 
-from nvfp4_recipe.registry import gemm_config_for
+from nvfp4_recipe.passes import PassFormats
+from nvfp4_recipe.registry import gemm_config_for, pass_configs_for
 from training.config import register_configs
 from training.schedules import run_micro_batches
 
@@ -44,7 +45,15 @@ def recipe_configs(name: str, model_cfg) -> dict[str, object]:
 
     pcfg = precision_config(name)
     policy = precision_policy(model_cfg, pcfg)
-    return {n: gemm_config_for(f, pcfg) for n, f in policy.linear_formats().items()}
+    return {n: _config_of(f, pcfg) for n, f in policy.linear_formats().items()}
+
+
+def _config_of(fmt: str, pcfg):
+    """One format's config, or a PassConfigs where a linear's passes differ ("mxfp8/nvfp4/nvfp4")."""
+    formats = PassFormats(fmt)
+    if len(set(formats.formats)) == 1:
+        return gemm_config_for(formats.fprop, pcfg)
+    return pass_configs_for(*formats.formats, pcfg)
 
 
 @contextlib.contextmanager

@@ -227,6 +227,23 @@ def test_recipe_maps_and_one_layer_quantized_alone(demo):
     assert again_loss == base_loss and torch.equal(again_grad, base_grad)
 
 
+def test_a_linear_with_a_format_per_pass_gets_its_pass_configs():
+    """A recipe whose override gives a linear one format per pass ("mxfp8/nvfp4/nvfp4") studies
+    it under those passes, as training runs it, not under one format."""
+    from nvfp4_recipe.config import PassConfigs
+    from nvfp4_recipe.policy import PrecisionConfig
+
+    pcfg = PrecisionConfig(format="nvfp4")
+    mixed = passes._config_of("mxfp8/nvfp4/nvfp4", pcfg)
+    assert isinstance(mixed, PassConfigs) and isinstance(mixed.fprop, MXFP8Config)
+    assert isinstance(mixed.dgrad, NVFP4Config) and mixed.dgrad is mixed.wgrad
+    assert isinstance(passes._config_of("nvfp4", pcfg), NVFP4Config)
+    assert passes._config_of("bf16", pcfg) is None
+    x = torch.randn(4, 64, requires_grad=True)
+    quantized_linear(x, torch.randn(64, 64), None, mixed).sum().backward()
+    assert x.grad is not None
+
+
 def test_the_committed_report_is_its_results_rendered():
     """docs/components/README.md is the template filled from docs/components/results.json: the
     prose lives in studies/templates/, the numbers in the results (a drift in either shows)."""
