@@ -184,10 +184,11 @@ class _QuantizedLinear(torch.autograd.Function):
             else:
                 y = F.linear(x2d, weight, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Dgrad may start from Fprop's weight copy only under the same config (the format's
-        # weight_dgrad decides whether it does: NVFP4's 16x16 tiles and FP8's 128x128 blocks are
-        # transpose-symmetric).
-        reuse_weight = need_dx and ops.dgrad is fprop and weight_operand is not None
+        # Dgrad may start from Fprop's weight copy only under the same config, and only where the
+        # format's weight_dgrad reads it (NVFP4's 16x16 tiles and FP8's 128x128 blocks are
+        # transpose-symmetric; MX formats quantize W^T afresh): otherwise the copy is not kept.
+        reuse_weight = (need_dx and ops.dgrad is fprop and weight_operand is not None
+                        and fprop.dgrad_reuses_fprop_weight)
         ctx.ops, ctx.generator, ctx.cache = ops, generator, cache
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         saved_values = weight_operand.values if reuse_weight else None

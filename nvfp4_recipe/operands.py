@@ -70,6 +70,11 @@ class _FormatOps:
         """(T, C) -> FP32 (C, T_pad): what the Wgrad operand is quantized from, blocks along T."""
         return transpose_padded(t2d, self.block)
 
+    @property
+    def dgrad_reuses_fprop_weight(self) -> bool:
+        """Whether weight_dgrad reads Fprop's weight copy (so the forward keeps it for Dgrad)."""
+        return False
+
     def activation(self, x2d: torch.Tensor) -> GemmOperand: ...
     def weight_fprop(self, weight: torch.Tensor) -> GemmOperand: ...
     def weight_dgrad(self, weight: torch.Tensor, fprop: GemmOperand | None) -> GemmOperand: ...
@@ -98,6 +103,10 @@ class _NVFP4Ops(_FormatOps):
 
     def weight_fprop(self, weight):
         return self._q(weight, BLOCK if self.config.weight_2d else 1)
+
+    @property
+    def dgrad_reuses_fprop_weight(self):
+        return self.config.weight_2d
 
     def weight_dgrad(self, weight, fprop):
         if self.config.weight_2d:  # 16x16 tiles are transpose-symmetric: reuse Fprop's copy
@@ -211,6 +220,8 @@ class _FP8BlockOps(_FormatOps):
 
     def weight_fprop(self, weight):
         return self._q(weight, (FP8_BLOCK, FP8_BLOCK))
+
+    dgrad_reuses_fprop_weight = True  # 128x128 blocks are transpose-symmetric
 
     def weight_dgrad(self, weight, fprop):
         return (fprop if fprop is not None else self.weight_fprop(weight)).t()

@@ -114,3 +114,24 @@ def test_shapes_are_checked_for_every_pass_format():
     quantized_linear(x, w, None, PassConfigs(NVFP4Config()))
     with pytest.raises(ValueError, match="MXFP8 linear: K .in_features. = 48"):
         quantized_linear(x, w, None, PassConfigs(NVFP4Config(), None, MXFP8Config()))
+
+
+def test_the_forward_keeps_fprops_weight_copy_only_where_dgrad_reads_it():
+    """NVFP4 16x16 tiles and FP8 128x128 blocks are transpose-symmetric: Dgrad reads Fprop's copy,
+    so the forward keeps it. MX formats quantize W^T afresh for Dgrad: keeping Fprop's copy
+    would hold ~2 bytes per weight element per micro-batch for nothing. Same gradients."""
+    from nvfp4_recipe import FP8BlockConfig, MXFP4Config, MXFP8Config, NVFP4Config, quantized_linear
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 128, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128, 128, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    for config, keeps in ((NVFP4Config(stochastic_rounding=False), True),
+                          (NVFP4Config(stochastic_rounding=False, weight_2d=False), False),
+                          (FP8BlockConfig(), True), (MXFP8Config(), False), (MXFP4Config(), False)):
+        y = quantized_linear(x, w, None, config)
+        node = y.grad_fn
+        while not hasattr(node, "saved_tensors"):
+            node = node.next_functions[0][0]
+        saved = [t for t in node.saved_tensors if t is not None]
+        # x and W, plus Fprop's copy of W (and NVFP4's tensor scale) where Dgrad reads it
+        assert (len(saved) > 2) == keeps, (config, len(saved))
