@@ -27,8 +27,9 @@ Activations of one micro-batch (BF16, 2 B per element; sp = t with parallel.sequ
                   + context = proj in (n_q d_head)] / t; flash-style kernels keep no s^2 score
                   matrix (their per-row log-sum-exp is neglected)
         mlp       2h / sp (norm in, fc1 in) + [fc1 out (f) + activation out (f)] / t
-    + (plan backend emulated) each low-precision linear saves its quantized weight (BF16 values)
-      for Dgrad: 2 B x its weight elements per rank, per micro-batch (nvfp4_recipe/linear.py).
+    + (plan backend emulated) each low-precision linear whose Dgrad reads Fprop's weight copy
+      (NVFP4 16x16, FP8 block: emulated_keeps_weight_copy) saves it (BF16 values): 2 B x its
+      weight elements per rank, per micro-batch (nvfp4_recipe/linear.py).
     last stage: + final-norm input and output-layer input (2h / sp per token); and at the end of
       the forward the logits, b s V/t x 6 B: the output layer's BF16 logits (2 B) and the FP32
       copy the vocab-parallel cross entropy turns into its saved softmax (4 B; Megatron-LM counts
@@ -48,12 +49,25 @@ from __future__ import annotations
 
 from typing import Optional
 
+from nvfp4_recipe.passes import PassFormats
+
 from .recompute import checkpointed_chunks
 
 GIB = 2**30
 BYTES_ACTIVATION = 2  # BF16 activations
 BYTES_LOGITS = 6  # BF16 logits + the FP32 copy the vocab-parallel cross entropy keeps
 BYTES_EMULATED_WEIGHT_COPY = 2  # the emulated low-precision linear's saved BF16 weight values
+
+
+def emulated_keeps_weight_copy(fmt: str, weight_2d: bool) -> bool:
+    """Whether an emulated linear of format `fmt` (or per-pass map "fprop/dgrad/wgrad") keeps
+    Fprop's weight copy for Dgrad: only where both passes share the format and its Dgrad reads
+    the copy (NVFP4's 16x16 tiles, FP8's 128x128 blocks; MX formats quantize W^T afresh,
+    nvfp4_recipe/operands.py dgrad_reuses_fprop_weight)."""
+    passes = PassFormats(fmt)
+    if passes.fprop != passes.dgrad:
+        return False
+    return passes.fprop == "fp8" or (passes.fprop == "nvfp4" and weight_2d)
 # Bytes per element of one quantized copy of a tensor (one usage: rowwise or columnwise), its
 # block scales included, as TE stores it:
 #   nvfp4  0.5 B (two E2M1 codes a byte) + one E4M3 scale per 16 (the FP32 tensor scale: 0);

@@ -78,6 +78,7 @@ from model.memory_model import (
     GIB,
     QUANTIZED_BYTES_PER_ELEMENT,
     activation_elements_per_token,
+    emulated_keeps_weight_copy,
     linear_weight_counts,
     parameter_counts,
     pipeline_stages,
@@ -324,7 +325,9 @@ def _stage_rows(cfg, layout: _Layout, params: _Parameters, backend: str, recompu
                  for k in dict.fromkeys(kinds)}
     act_layer = [round(per_token[k] * b * s * BYTES_ACTIVATION) for k in kinds]
     if backend == "emulated":
-        act_layer = [a + BYTES_EMULATED_WEIGHT_COPY * sum(lp.values())
+        weight_2d = cfg.precision.weight_2d
+        act_layer = [a + BYTES_EMULATED_WEIGHT_COPY * sum(
+                         n for fmt, n in lp.items() if emulated_keeps_weight_copy(fmt, weight_2d))
                      for a, lp in zip(act_layer, params.layer_lowp_weights)]
     h_sp = m.hidden_size // (t if sp else 1)
     input_bytes = b * s * h_sp * BYTES_ACTIVATION  # one layer's input (a checkpointed chunk's)

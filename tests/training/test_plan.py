@@ -504,3 +504,17 @@ def test_memory_benchmark_refuses_a_bad_setting_before_it_starts_a_run(capsys):
     assert "--measure" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--recompute='sometimes'"):
         main(["--measure", "--recompute", "none,sometimes"])
+
+
+def test_the_emulated_plan_counts_fprops_weight_copy_only_where_dgrad_keeps_it():
+    """nvfp4_recipe/linear.py keeps Fprop's weight copy for Dgrad only where Dgrad reads it
+    (tests/nvfp4_recipe/test_linear_passes.py checks the saved tensors): NVFP4 with 16x16 tiles
+    and FP8 blocks, under one format for both passes; never MX formats or 1x16 NVFP4."""
+    from model.memory_model import emulated_keeps_weight_copy
+
+    assert emulated_keeps_weight_copy("nvfp4", weight_2d=True)
+    assert emulated_keeps_weight_copy("fp8", weight_2d=False)
+    assert not emulated_keeps_weight_copy("nvfp4", weight_2d=False)
+    assert not any(emulated_keeps_weight_copy(f, True) for f in ("mxfp8", "mxfp4"))
+    assert not emulated_keeps_weight_copy("mxfp8/nvfp4/nvfp4", True)  # Dgrad is another format
+    assert emulated_keeps_weight_copy("nvfp4/nvfp4/bf16", True)
