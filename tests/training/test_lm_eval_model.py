@@ -4,7 +4,7 @@ The check here: the log-likelihood of a continuation equals the sum of the model
 log-probabilities over the tokenizer's vocabulary, computed from a plain forward of the model (no
 lm-eval, no schedule), and a request scores the same alone or padded into a batch with longer
 ones; under emulated NVFP4 the scores are those of a direct forward of the same padded batch.
-The comparison with lm-eval's own HFLM on the HF export is tests/training/test_eval_vs_hflm.py."""
+The comparison with lm-eval's own HFLM on the HF export is tests/system/test_eval_independent.py."""
 
 from __future__ import annotations
 
