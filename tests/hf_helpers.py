@@ -64,3 +64,50 @@ def saved_key(name: str) -> str:
     """The key transformers 5 saves a NemotronH tensor under: its body as backbone.*, which it
     names model.* once loaded."""
     return "backbone." + name[len("model."):] if name.startswith("model.") else name
+
+
+def trained_weights_and_amax(cfg, prec, vocab: int) -> tuple[dict, dict]:
+    """(BF16 checkpoint tensors, the input-amax recorder's state) after two steps of forwards of an
+    emulated `cfg` model under `prec`: what an export of a trained run reads."""
+    from helpers import model_full_tensors
+    from model.build import build_model
+    from nvfp4_recipe.megatron.input_amax import InputAmaxRecorder
+
+    torch.manual_seed(0)
+    built = build_model(cfg, prec, vocab_size=vocab, backend="emulated",
+                        params_dtype=torch.bfloat16)
+    model = built.module.eval()
+    names = [n for n, fmt in built.policy.linear_formats().items() if fmt != "bf16"]
+    recorder = InputAmaxRecorder(names, built.linears, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, vocab, (2, 32)), None, None)
+            recorder.end_step()
+    return {k: v.clone() for k, v in model_full_tensors(model).items()}, recorder.state_dict()
+
+
+def write_export_run(root: Path, cfg, tokenizer: str, weights, amax_state, prec,
+                     monkeypatch) -> Path:
+    """A run directory of model `cfg` trained under `prec` for tools.hf_export to read: its
+    config.yaml and a step-4 checkpoint whose weights `weights` are (the checkpoint reader is
+    patched to return them)."""
+    import dataclasses
+    import json
+
+    from tools import hf_export
+
+    run = root / "run"
+    ckpt = run / "checkpoints" / "step_0000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 4}))
+    torch.save({"step": 4, "consumed_tokens": 256, "input_amax": amax_state}, ckpt / "trainer.pt")
+    prec_fields = {k: (str(v) if hasattr(v, "value") else v)
+                   for k, v in dataclasses.asdict(prec).items() if k != "switch_to_bf16"}
+    config = {"model": {k: (str(v) if k == "spec" else v)
+                        for k, v in dataclasses.asdict(cfg).items()},
+              "precision": prec_fields, "data": {"tokenizer": tokenizer},
+              "trainer": {"max_steps": 4, "global_batch_size": 2, "seq_length": 32}}
+    (run / "config.yaml").write_text(json.dumps(config))
+    monkeypatch.setattr(hf_export, "pick_checkpoint", lambda run_dir, step: ckpt)
+    monkeypatch.setattr(hf_export, "read_checkpoint_weights", lambda checkpoint: weights)
+    return run

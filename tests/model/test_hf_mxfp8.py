@@ -10,7 +10,6 @@ transformers.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -21,12 +20,11 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 pytest.importorskip("compressed_tensors", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
-from helpers import model_full_tensors  # noqa: E402
-from hf_helpers import load_safetensors, saved_key  # noqa: E402
+from hf_helpers import (load_safetensors, saved_key, trained_weights_and_amax,  # noqa: E402
+                        write_export_run)
 from model import hf, hf_nvfp4  # noqa: E402
-from model.build import build_model, precision_policy  # noqa: E402
+from model.build import precision_policy  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from nvfp4_recipe.megatron.input_amax import InputAmaxRecorder  # noqa: E402
 from nvfp4_recipe.mxfp8 import mxfp8_dequantized_values  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from tools import hf_export  # noqa: E402
@@ -58,36 +56,12 @@ def trained(parallel_context):
     the MIXED model)."""
     from transformers import NemotronHForCausalLM  # noqa: F401  (its import-time warnings)
 
-    torch.manual_seed(0)
-    built = build_model(TINY, MIXED, vocab_size=VOCAB, backend="emulated",
-                        params_dtype=torch.bfloat16)
-    model = built.module.eval()
-    names = [n for n, fmt in built.policy.linear_formats().items() if fmt != "bf16"]
-    recorder = InputAmaxRecorder(names, built.linears, 4)
-    with torch.no_grad():
-        for _ in range(2):
-            model(torch.randint(0, VOCAB, (2, 32)), None, None)
-            recorder.end_step()
-    return {k: v.clone() for k, v in model_full_tensors(model).items()}, recorder.state_dict()
+    return trained_weights_and_amax(TINY, MIXED, VOCAB)
 
 
 def write_run(root: Path, tokenizer: str, weights, amax_state, prec: PrecisionConfig,
               monkeypatch) -> Path:
-    run = root / "run"
-    ckpt = run / "checkpoints" / "step_0000004"
-    ckpt.mkdir(parents=True)
-    (ckpt / "manifest.json").write_text(json.dumps({"step": 4}))
-    torch.save({"step": 4, "consumed_tokens": 256, "input_amax": amax_state}, ckpt / "trainer.pt")
-    prec_fields = {k: (str(v) if hasattr(v, "value") else v)
-                   for k, v in dataclasses.asdict(prec).items() if k != "switch_to_bf16"}
-    config = {"model": {k: (str(v) if k == "spec" else v)
-                        for k, v in dataclasses.asdict(TINY).items()},
-              "precision": prec_fields, "data": {"tokenizer": tokenizer},
-              "trainer": {"max_steps": 4, "global_batch_size": 2, "seq_length": 32}}
-    (run / "config.yaml").write_text(json.dumps(config))
-    monkeypatch.setattr(hf_export, "pick_checkpoint", lambda run_dir, step: ckpt)
-    monkeypatch.setattr(hf_export, "read_checkpoint_weights", lambda checkpoint: weights)
-    return run
+    return write_export_run(root, TINY, tokenizer, weights, amax_state, prec, monkeypatch)
 
 
 def forward_operands(weights, prec: PrecisionConfig) -> dict[str, torch.Tensor]:
