@@ -126,11 +126,18 @@ def _nvfp4_te_quantizer(cfg: PrecisionFields, role: str) -> dict[str, Any]:
         "stochastic_rounding": grad and cfg.stochastic_rounding, "with_random_sign_mask": True}}
 
 
-def _nvfp4_device_rule(capability: Capability) -> Verdict:
-    if capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
-        major, minor = capability
-        return False, f"NVFP4 TE GEMMs need compute capability 10.x, found {major}.{minor}"
-    return True, ""
+def _datacenter_blackwell_only(name: str) -> Callable[[Capability], Verdict]:
+    """This project's device rule for a format TE runs on Blackwell: compute capability 10.x."""
+
+    def rule(capability: Capability) -> Verdict:
+        if capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
+            major, minor = capability
+            return False, f"{name} TE GEMMs need compute capability 10.x, found {major}.{minor}"
+        return True, ""
+    return rule
+
+
+_nvfp4_device_rule = _datacenter_blackwell_only("NVFP4")
 
 
 def _nvfp4_te_release_rule(capability: Capability, cuda_version: Optional[str],
@@ -201,12 +208,8 @@ def _mxfp8_te_quantizer(_cfg: PrecisionFields, _role: str) -> dict[str, Any]:
     return {"quantizer": "MXFP8Quantizer", "kwargs": {"fp8_dtype": "kFloat8E4M3"}}
 
 
-def _mxfp8_device_rule(capability: Capability) -> Verdict:
-    # B200/GB200 (10.0) and B300/GB300 (10.3), as for NVFP4; TE itself refuses 12.x (below).
-    if capability[0] != NVFP4_COMPUTE_CAPABILITY_MAJOR:
-        major, minor = capability
-        return False, f"MXFP8 TE GEMMs need compute capability 10.x, found {major}.{minor}"
-    return True, ""
+# B200/GB200 (10.0) and B300/GB300 (10.3), as for NVFP4; TE itself refuses 12.x (below).
+_mxfp8_device_rule = _datacenter_blackwell_only("MXFP8")
 
 
 def _mxfp8_te_release_rule(capability: Capability, cuda_version: Optional[str],
