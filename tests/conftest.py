@@ -1,6 +1,7 @@
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,31 @@ def slurm():
     state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
     if state.returncode != 0 or not state.stdout.split():
         pytest.skip(f"Slurm does not answer: {state.stderr.strip() or 'no nodes'}")
+
+
+# -- the tiers' times, printed at the end of every session ------------------------------------
+SYSTEM_TIER = "tests/system/"
+_SESSION_START = time.monotonic()
+
+
+def tier_seconds(reports) -> dict[str, float]:
+    """Seconds spent in each tier's tests (setup + call + teardown, summed over the tests; under
+    pytest-xdist the workers' times add up, so their sum exceeds the session's wall time)."""
+    out = {"unit": 0.0, "system": 0.0}
+    for report in reports:
+        tier = "system" if report.nodeid.startswith(SYSTEM_TIER) else "unit"
+        out[tier] += getattr(report, "duration", 0.0) or 0.0
+    return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line that docs/performance.md's tier rows are read from: each tier's test time and
+    the session's wall time."""
+    reports = [r for reports in terminalreporter.stats.values() for r in reports
+               if getattr(r, "when", None) in ("setup", "call", "teardown")]
+    if not reports:
+        return
+    seconds = tier_seconds(reports)
+    terminalreporter.write_line(
+        f"tier times: unit {seconds['unit'] / 60:.1f} min, system {seconds['system'] / 60:.1f} min "
+        f"of tests; session {(time.monotonic() - _SESSION_START) / 60:.1f} min wall")

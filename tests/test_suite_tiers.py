@@ -192,3 +192,14 @@ def test_make_test_fast_runs_the_unit_tier_and_make_test_both():
             recipes.setdefault(target, []).append(line.strip())
     assert any("--ignore=tests/system" in r for r in recipes["test-fast"]), recipes["test-fast"]
     assert not any("tests/system" in r or "slow" in r for r in recipes["test"]), recipes["test"]
+
+
+def test_the_tier_times_split_the_reports_by_directory():
+    spec = importlib.util.spec_from_file_location("root_conftest", TESTS / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    reports = [SimpleNamespace(nodeid="tests/system/test_faults.py::test_x", duration=3.0),
+               SimpleNamespace(nodeid="tests/training/test_plan.py::test_y", duration=1.5),
+               SimpleNamespace(nodeid="tests/test_docs.py::test_z", duration=0.5),
+               SimpleNamespace(nodeid="tests/system/test_reshard.py::test_w", duration=2.0)]
+    assert conftest.tier_seconds(reports) == {"unit": 2.0, "system": 5.0}
