@@ -76,12 +76,16 @@ class FP8BlockConfig:
 class MXFP8Config:
     """MXFP8 as TE MXFP8BlockScaling with its default E4M3 format (TE common/recipe/__init__.py,
     v2.0:165 .. release_v2.19:337): E4M3 values and one E8M0 scale per 1x32 block on every
-    operand, the blocks along each GEMM's reduction dimension; nearest rounding, no RHT, no SR."""
+    operand, the blocks along each GEMM's reduction dimension; nearest rounding, no RHT, no SR.
+    kernels: "auto" (default), "eager" or "compiled": how the quantizer runs (nvfp4_recipe/mxfp8.py,
+    "Kernels"); the same bits."""
 
     gemm: Gemm = Gemm.fast
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         _check_gemm(self.gemm, "MXFP8Config")
+        check_kernel_mode(self.kernels, "MXFP8Config")
 
 
 QuantConfig = NVFP4Config | MXFP4Config | MXFP8Config | FP8BlockConfig

@@ -43,6 +43,16 @@ quantization of x2d^T (data (cols, rows)), the same values and scales TE stores 
 (rows, cols) columnwise layout with (rows // 32, cols) scales.
 
 Non-finite elements are quantized as TE does (above); pass check_finite=True to refuse them.
+
+Kernels (`kernels`, MXFP8Config.kernels, `precision.kernels`, as NVFP4's: nvfp4_recipe/kernels.py):
+"eager" runs the steps above as PyTorch ops in row chunks (~ten passes over each tensor);
+"compiled" runs them as one torch.compile'd function of the flat (blocks, 32) tensor (inductor's
+C++ backend: block amax, exponent, scaling, E4M3 cast and, for the GEMM operands, the dequantized
+values, fused), bit-identical (tests/nvfp4_recipe/test_mxfp8_kernels.py); "auto" = compiled where
+a C++ compiler is on PATH, falling back to eager with one warning if compiling fails. CPU only:
+the exponent rule reads FP32 subnormal products (amax * fp32(1/448) near 2**-127) and the smallest
+scale 2**-127 is an FP32 subnormal, which Triton's flush-to-zero would change (kernels.py), so on
+CUDA every mode runs eager (the same bits, eager's are tested against TE's rule).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+import nvfp4_recipe.kernels as fused
 from nvfp4_recipe.formats import E4M3_MAX, as_rows, chunk_numel, row_chunks
 
 MX_BLOCK = 32
@@ -107,6 +118,14 @@ def e8m0_reciprocal(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(biased == _E8M0_NAN, float("nan"), reciprocal)
 
 
+def e8m0_value(biased: torch.Tensor) -> torch.Tensor:
+    """FP32 2**(biased - 127) from int32 biased exponents, built from the bits (what torch's
+    float8_e8m0fnu -> float32 cast gives, without a cast inductor would have to lower): code 0 is
+    the FP32 subnormal 2**-127 (0x00400000), 255 is NaN."""
+    bits = torch.where(biased == 0, _TWO_TO_MINUS_127_BITS, biased << _FP32_MANTISSA_BITS)
+    return torch.where(biased == _E8M0_NAN, float("nan"), bits.view(torch.float32))
+
+
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """max |x| per block (last dim) in FP32, NaN elements ignored as fmaxf ignores them (step 1)."""
     r, n_blocks, block = blocks.shape
@@ -118,12 +137,62 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     return pooled.view(r, n_blocks)
 
 
+# The compiled path (module docstring, "Kernels"): functions of the detached flat (blocks, 32)
+# tensor, so a call has one dynamic size (the block count) and a new shape does not recompile; one
+# for the E4M3 data, one for the dequantized values, so each stays under dynamo's recompile limit
+# (one variant per input dtype, and output dtype). The same formulas as the eager path, in the same
+# order: every FP32 step is one correctly rounded multiply (no sum for a fused multiply-add to
+# change), and inductor's C++ flags keep subnormals and NaN checks (no -ffast-math; kernels.py).
+def _flat_block_exponents(blocks: torch.Tensor) -> torch.Tensor:
+    """(blocks, 32) -> int32 (blocks,) biased E8M0 exponents (steps 1-2), NaN elements ignored."""
+    magnitude = blocks.float().abs()
+    magnitude = torch.where(torch.isnan(magnitude), 0.0, magnitude)
+    return e8m0_scale_from_amax(magnitude.amax(dim=-1))
+
+
+def _flat_e4m3(blocks: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:
+    """Step 3: fp32(x * 2**(127 - e)), clamped to +-448 (satfinite; NaN passes), cast to E4M3."""
+    scaled = blocks.float() * e8m0_reciprocal(biased).unsqueeze(-1)
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _flat_mxfp8_data(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    biased = _flat_block_exponents(blocks)
+    return _flat_e4m3(blocks, biased), biased
+
+
+def _flat_mxfp8_values(blocks: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    biased = _flat_block_exponents(blocks)
+    values = _flat_e4m3(blocks, biased).float() * e8m0_value(biased).unsqueeze(-1)  # exact
+    return values.to(out_dtype), biased
+
+
+_COMPILED_DATA = fused.Fused(_flat_mxfp8_data)
+_COMPILED_VALUES = fused.Fused(_flat_mxfp8_values)
+
+
+def _runs_compiled(x2d: torch.Tensor, kernels: str) -> bool:
+    """Whether `kernels` selects the compiled path for x2d: CPU tensors only (module docstring),
+    non-empty (dynamo specializes the block counts 0 and 1; an empty tensor has nothing to fuse)."""
+    fused.check_kernel_mode(kernels, "MXFP8 quantizer")
+    return fused.use_compiled(kernels, x2d.device) and x2d.is_cpu and x2d.numel() > 0
+
+
 def _quantize_mxfp8_core(
-    x2d: torch.Tensor, values_dtype: torch.dtype | None
+    x2d: torch.Tensor, values_dtype: torch.dtype | None, kernels: str = "eager"
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """E4M3 data (or, with values_dtype, the dequantized values instead) and int32 biased scales of
-    2-D x2d (rows, k), in row chunks of about formats.CHUNK_ELEMENTS (bounded FP32 scratch)."""
+    2-D contiguous x2d (rows, k): compiled (one fused call) or eager, in row chunks of about
+    formats.CHUNK_ELEMENTS (bounded FP32 scratch); the same bits."""
     rows, k = x2d.shape
+    if _runs_compiled(x2d, kernels):
+        strict = kernels == "compiled"
+        blocks = x2d.view(-1, MX_BLOCK).detach()
+        if values_dtype is None:
+            data, biased = _COMPILED_DATA(strict, blocks)
+            return data.view(rows, k), biased.view(rows, k // MX_BLOCK), None
+        values, biased = _COMPILED_VALUES(strict, blocks, values_dtype)
+        return None, biased.view(rows, k // MX_BLOCK), values.view(rows, k)
     blocks = k // MX_BLOCK
     device = x2d.device
     biased = torch.empty(rows, blocks, dtype=torch.int32, device=device)
@@ -154,15 +223,18 @@ def _as_e8m0(biased: torch.Tensor) -> torch.Tensor:
     return biased.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def quantize_mxfp8(x: torch.Tensor, check_finite: bool = False) -> MXFP8Tensor:
+def quantize_mxfp8(x: torch.Tensor, check_finite: bool = False, kernels: str = "auto") -> MXFP8Tensor:
     """Quantize x (..., K), K a multiple of 32, to MXFP8 (1x32 blocks along the last dim), bit-exact
-    to TE's MXFP8 quantizer (module docstring). float64 inputs are rounded to FP32 first."""
+    to TE's MXFP8 quantizer (module docstring). float64 inputs are rounded to FP32 first.
+    kernels: "auto", "eager" or "compiled" (module docstring, "Kernels"); the same bits."""
+    fused.check_kernel_mode(kernels, "quantize_mxfp8")
     x2d = as_rows(x, MX_BLOCK, "quantize_mxfp8", check_finite)
-    data, biased, _ = _quantize_mxfp8_core(x2d, None)
+    data, biased, _ = _quantize_mxfp8_core(x2d, None, kernels)
     return MXFP8Tensor(data, _as_e8m0(biased), x.shape)
 
 
-def quantize_mxfp8_along(x2d: torch.Tensor, dim: int, check_finite: bool = False) -> MXFP8Tensor:
+def quantize_mxfp8_along(x2d: torch.Tensor, dim: int, check_finite: bool = False,
+                         kernels: str = "auto") -> MXFP8Tensor:
     """MXFP8 of a 2-D tensor with its 32-value blocks along `dim`: dim -1 or 1 is TE's rowwise
     quantization (quantize_mxfp8(x2d)); dim 0 is TE's columnwise one, returned as the rowwise
     quantization of x2d.T (shape (cols, rows)). x2d.shape[dim] must be a multiple of 32."""
@@ -172,12 +244,15 @@ def quantize_mxfp8_along(x2d: torch.Tensor, dim: int, check_finite: bool = False
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"quantize_mxfp8_along: dim={dim} is not a dimension of a 2-D tensor")
     lines = x2d.t() if dim in (0, -2) else x2d
-    return quantize_mxfp8(lines, check_finite=check_finite)
+    return quantize_mxfp8(lines, check_finite=check_finite, kernels=kernels)
 
 
-def mxfp8_dequantized_values(x2d: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mxfp8_dequantized_values(x2d: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                             kernels: str = "auto") -> torch.Tensor:
     """Dequantized MXFP8 values of 2-D x2d (blocks along the last dim) in `dtype`, without the E4M3
     tensor: the same values as quantize_mxfp8(x2d).dequantize(dtype). Exact in bfloat16 unless a
-    value falls below bfloat16's smallest subnormal 2**-133 (E4M3 subnormals at scale 2**-127)."""
+    value falls below bfloat16's smallest subnormal 2**-133 (E4M3 subnormals at scale 2**-127).
+    kernels: as quantize_mxfp8's."""
+    fused.check_kernel_mode(kernels, "mxfp8_dequantized_values")
     x2d = as_rows(x2d, MX_BLOCK, "MXFP8 operand", False)
-    return _quantize_mxfp8_core(x2d, dtype)[2]
+    return _quantize_mxfp8_core(x2d, dtype, kernels)[2]

@@ -176,7 +176,7 @@ class _MXFP8Ops(_FormatOps):
     config: MXFP8Config
 
     def _q(self, t):
-        return GemmOperand(mxfp8_dequantized_values(t, self.gemm_dtype), None)
+        return GemmOperand(mxfp8_dequantized_values(t, self.gemm_dtype, self.config.kernels), None)
 
     def activation(self, x2d):
         return self._q(x2d)
@@ -197,7 +197,7 @@ class _MXFP8Ops(_FormatOps):
         return self._q(self.wgrad_source(x2d))
 
     def quantize_dequantize(self, x, role, generator):
-        return quantize_mxfp8(x).dequantize()
+        return quantize_mxfp8(x, kernels=self.config.kernels).dequantize()
 
 
 class _FP8BlockOps(_FormatOps):

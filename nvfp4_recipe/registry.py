@@ -250,10 +250,10 @@ FORMAT_SPECS: dict[Format, FormatSpec] = {spec.format: spec for spec in (
                te_recipe=_none, device_rule=_mxfp4_device_rule,
                te_release_rule=_no_requirement),
     FormatSpec(Format.mxfp8, config_type=MXFP8Config,
-               emulated_config=lambda cfg: MXFP8Config(gemm=cfg.gemm), ops=_MXFP8Ops,
-               te_recipe=_mxfp8_te_recipe, device_rule=_mxfp8_device_rule,
+               emulated_config=lambda cfg: MXFP8Config(gemm=cfg.gemm, kernels=cfg.kernels),
+               ops=_MXFP8Ops, te_recipe=_mxfp8_te_recipe, device_rule=_mxfp8_device_rule,
                te_release_rule=_mxfp8_te_release_rule, te_availability_check="is_mxfp8_available",
-               te_quantizer=_mxfp8_te_quantizer),
+               compiled_kernels=True, te_quantizer=_mxfp8_te_quantizer),
 )}
 _SPEC_OF_CONFIG = {spec.config_type: spec for spec in FORMAT_SPECS.values() if spec.config_type}
 

@@ -9,7 +9,9 @@ float32 scalars (IEEE round-to-nearest, subnormals kept, as TE's non-fast-math k
   inverse  exp2f_rcp(exponent)               util/ptx.cuh:356-365, tests/cpp/test_common.h:502-513
   element  fp32(x * inverse), then cvt.rn.satfinite.e4m3 (util/ptx.cuh:1023-1025): here an
            explicit nearest-even E4M3 encoder with saturation to +-448 and the sign kept.
-None of it calls nvfp4_recipe or torch's float8 casts.
+None of it calls nvfp4_recipe or torch's float8 casts. The comparisons run on both quantizer paths
+(`kernels`: eager PyTorch ops, and the torch.compile'd kernel where inductor can build one);
+tests/nvfp4_recipe/test_mxfp8_kernels.py checks the two paths against each other on more inputs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 import nvfp4_recipe
 from nvfp4_recipe import MXFP8Tensor, quantize_mxfp8
+from nvfp4_recipe.kernels import use_compiled
 from nvfp4_recipe.mxfp8 import mxfp8_dequantized_values, quantize_mxfp8_along
 
 F32 = np.float32
@@ -112,8 +115,13 @@ def bytes_of(t: MXFP8Tensor) -> tuple[np.ndarray, np.ndarray]:
     return t.data.view(torch.uint8).cpu().numpy(), t.scales.view(torch.uint8).cpu().numpy()
 
 
-def assert_matches_reference(x: torch.Tensor) -> MXFP8Tensor:
-    q = quantize_mxfp8(x)
+# Both quantizer paths; the compiled one where inductor can build kernels (a C++ compiler on PATH).
+KERNELS = ["eager", pytest.param("compiled", marks=pytest.mark.skipif(
+    not use_compiled("auto", torch.device("cpu")), reason="no C++ compiler for inductor here"))]
+
+
+def assert_matches_reference(x: torch.Tensor, kernels: str = "eager") -> MXFP8Tensor:
+    q = quantize_mxfp8(x, kernels=kernels)
     data, scales = bytes_of(q)
     ref_data, ref_scales = ref_mxfp8_lines(x.reshape(-1, x.shape[-1]).float().numpy())
     np.testing.assert_array_equal(scales, ref_scales)
@@ -140,9 +148,10 @@ def _random_inputs() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(_random_inputs()))
-def test_random_tensors_bit_exact(name):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_random_tensors_bit_exact(name, kernels):
     x = _random_inputs()[name]
-    q = assert_matches_reference(x)
+    q = assert_matches_reference(x, kernels)
     rows = x.numel() // x.shape[-1]
     assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == (rows, x.shape[-1])
     assert q.scales.dtype == torch.float8_e8m0fnu and q.scales.shape == (rows, x.shape[-1] // 32)
@@ -164,9 +173,10 @@ def _powers_of_two_times_448() -> torch.Tensor:
     return torch.stack(rows).float(), ks
 
 
-def test_amax_at_powers_of_two_times_448():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_amax_at_powers_of_two_times_448(kernels):
     x, ks = _powers_of_two_times_448()
-    q = assert_matches_reference(x)
+    q = assert_matches_reference(x, kernels)
     scales = q.scales.view(torch.uint8).view(-1, 3).long()
     for (exact, above, below), k in zip(scales.tolist(), ks):
         if k >= -127:  # 2**k is an E8M0 scale: exact, no rounding up (448 * fp32(1/448) rounds to 1)
@@ -187,14 +197,15 @@ def test_amax_at_powers_of_two_times_448():
     assert bool(((data[normal, 0] & 0x7F) == 0x7E).any(dim=-1).all())
 
 
-def test_zero_blocks_and_negative_zero():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_zero_blocks_and_negative_zero(kernels):
     x = torch.zeros(4, 96)
     x[1] = -0.0
     x[2, :32] = -0.0
     x[2, 32:64] = torch.linspace(-1, 1, 32)
     x[2, 40] = -0.0
     x[3, :32] = torch.tensor([-1e-30] * 31 + [448.0])  # negative values that round to -0
-    q = assert_matches_reference(x)
+    q = assert_matches_reference(x, kernels)
     data, scales = bytes_of(q)
     assert (scales[:2] == 0).all() and scales[2, 0] == 0 and scales[3, 1:].tolist() == [0, 0]
     assert (data[0] == 0).all() and (data[1] == 0x80).all()  # +-0 keep their sign
@@ -203,22 +214,24 @@ def test_zero_blocks_and_negative_zero():
     assert torch.equal(q.dequantize()[:2].view(torch.int32), x[:2].view(torch.int32))
 
 
-def test_round_to_nearest_even_ties():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_round_to_nearest_even_ties(kernels):
     # Scale 2**0 (amax 448): E4M3 steps are 2**-3 in [1, 2) and 2**-9 below 2**-6.
     values = [448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 2.0**-11, 0.99 * 2.0**-10]
     x = torch.tensor(values + [0.0] * (32 - len(values))).view(1, 32)
-    data, scales = bytes_of(assert_matches_reference(x))
+    data, scales = bytes_of(assert_matches_reference(x, kernels))
     assert scales[0, 0] == 127
     # 1.0625 -> 1.0 (even), 1.1875 -> 1.25, 2**-10 -> 0 (tie, even), 3 * 2**-10 -> 2 * 2**-9,
     # 2**-11 -> 0, just below 2**-10 -> 0
     assert data[0, :8].tolist() == [0x7E, 0x38, 0x3A, 0xB8, 0x00, 0x02, 0x00, 0x00]
 
 
-def test_infinities_saturate():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_infinities_saturate(kernels):
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
     x[0, 5] = float("inf")
     x[1, 40] = float("-inf")
-    data, scales = bytes_of(assert_matches_reference(x))
+    data, scales = bytes_of(assert_matches_reference(x, kernels))
     # Inf amax -> 254 (satfinite), inverse 2**-127; Inf * 2**-127 = Inf -> +-448, the rest -> +-0
     assert scales[0, 0] == 254 and scales[1, 1] == 254
     assert data[0, 5] == 0x7E and data[1, 40] == 0xFE
@@ -226,13 +239,14 @@ def test_infinities_saturate():
     assert scales[0, 1] == ref_float_to_e8m0(F32(x[0, 32:].abs().max().item()) * RCP_448)
 
 
-def test_nan_elements_do_not_enter_the_amax():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_nan_elements_do_not_enter_the_amax(kernels):
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 64, generator=gen)
     x[0, 3] = float("nan")
     x[1, 32:] = float("nan")  # a block of only NaNs: amax 0 -> scale 2**-127
     x[2, 0] = -float("nan")
-    q = quantize_mxfp8(x)
+    q = quantize_mxfp8(x, kernels=kernels)
     data, scales = bytes_of(q)
     ref_data, ref_scales = ref_mxfp8_lines(x.numpy())
     np.testing.assert_array_equal(scales, ref_scales)
@@ -244,7 +258,8 @@ def test_nan_elements_do_not_enter_the_amax():
     np.testing.assert_array_equal(data[~nan], ref_data[~nan])
 
 
-def test_subnormal_product_boundary():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_subnormal_product_boundary(kernels):
     """amax * fp32(1/448) at the FP32 subnormal 2**-127 (mantissa 0x400000) stays at E8M0 code 0;
     the next subnormal above it rounds up to code 1 (ptx.cuh:417)."""
     found = {}
@@ -258,7 +273,7 @@ def test_subnormal_product_boundary():
     x = torch.zeros(2, 32)
     x[0, 0] = float(found[0x400000])
     x[1, 0] = float(found[0x400001])
-    _, scales = bytes_of(assert_matches_reference(x))
+    _, scales = bytes_of(assert_matches_reference(x, kernels))
     assert scales[:, 0].tolist() == [0, 1]
 
 
@@ -348,7 +363,8 @@ def test_cuda_matches_cpu_bits():
     x, _ = _powers_of_two_times_448()
     inputs["powers"] = x
     for name, t in inputs.items():
-        cpu, gpu = quantize_mxfp8(t), quantize_mxfp8(t.cuda())
+        # kernels="compiled" on CUDA runs the eager ops (mxfp8.py, "Kernels": no Triton kernel)
+        cpu, gpu = quantize_mxfp8(t, kernels="compiled"), quantize_mxfp8(t.cuda(), kernels="compiled")
         assert torch.equal(cpu.scales.view(torch.uint8), gpu.scales.view(torch.uint8).cpu()), name
         assert torch.equal(cpu.data.view(torch.uint8), gpu.data.view(torch.uint8).cpu()), name
 
