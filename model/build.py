@@ -15,7 +15,8 @@ from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
 from nvfp4_recipe.policy import (LayerPrecision, PrecisionConfig, PrecisionPolicy,
                                  RuntimePrecisionState)
 from nvfp4_recipe.megatron.te_mapping import build_te_recipe, during_run
-from nvfp4_recipe.megatron.te_runtime import TEPrecisionLinear, te_layer_context, te_linear_context
+from nvfp4_recipe.megatron.te_runtime import (RecipeTable, TEPrecisionLinear, te_layer_context,
+                                              te_linear_context)
 
 from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa: F401  (re-exported)
 from .backend import fused_conv1d_loads
@@ -182,14 +183,25 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
         # One recipe object per formats a linear runs (its layer's, an override's), before and
         # after the switch to BF16.
         used = [d.format for d in decisions] + [f for d in decisions for _, f in d.linears]
-        recipes = {fmt: build_te_recipe(fmt, precision) for fmt in during_run(used, precision)}
+        # The formats a linear is switched to at run time (PrecisionController.apply_formats)
+        # get their recipe on first use.
+        recipes = RecipeTable({fmt: build_te_recipe(fmt, precision)
+                               for fmt in during_run(used, precision)},
+                              lambda fmt: build_te_recipe(fmt, precision))
         layer_specs = []
         for d in decisions:
             spec = te_layer_spec(d, cfg)
-            if d.linears:  # linears overridden to other formats than their layer's
+            # The linears overridden to other formats than their layer's, and every quantized
+            # one: its formats are read from the runtime state per forward, so the controller
+            # can switch them (the adaptive fallback, a replay's map).
+            switchable = {name: d.linear_format(name)
+                          for name in policy.linear_names.get(d.kind, ())
+                          if d.linear_format(name).low_precision or name in dict(d.linears)}
+            if switchable:
                 spec = with_linear_contexts(spec, {
                     name: te_linear_context(d.format, fmt, state, recipes, compat.te_autocast,
-                                            compat.te_no_autocast) for name, fmt in d.linears})
+                                            compat.te_no_autocast, name=f"layers.{d.index}.{name}")
+                    for name, fmt in switchable.items()})
             layer_specs.append(spec)
         # Entered at every forward, so the runtime switch to BF16 reaches every layer.
         contexts = [te_layer_context(d, state, recipes, compat.te_autocast) for d in decisions]
@@ -254,7 +266,10 @@ def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
         decision = decisions[stack.layer_offset + local]
         for name in linear_names.get(decision.kind, ()):
             module = layer.get_submodule(name)
-            linear = TEPrecisionLinear(module) if te else module
+            # build_model gives every quantized TE linear a gemm context that reads its
+            # formats per forward (te_runtime.te_linear_context with its name)
+            linear = (TEPrecisionLinear(module, switchable=hasattr(module, "gemm_context"))
+                      if te else module)
             if not isinstance(linear, PrecisionLinear):
                 raise TypeError(f"layers.{decision.index}.{name} is a {type(module).__name__}, "
                                 "not a linear the precision controller can steer")

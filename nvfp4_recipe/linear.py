@@ -35,6 +35,7 @@ from nvfp4_recipe.compute import emulated_gemms_in_fp32
 from nvfp4_recipe.config import NVFP4Config, PassConfigs, QuantConfig
 from nvfp4_recipe.operands import GemmOperand, _FormatOps
 from nvfp4_recipe.registry import spec_of_config
+from nvfp4_recipe.telemetry import OperandTelemetry, weight_tile_rows
 
 
 def emulated_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
@@ -159,7 +160,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ops: PassOps, generator,
-                cache: WeightOperandCache | None = None, input_amax: torch.Tensor | None = None):
+                cache: WeightOperandCache | None = None, input_amax: torch.Tensor | None = None,
+                telemetry: OperandTelemetry | None = None):
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         fprop = ops.fprop
@@ -170,6 +172,10 @@ class _QuantizedLinear(torch.autograd.Function):
             activation = fprop.activation(x2d)
             if input_amax is not None:  # the quantizer's tensor amax where it has one
                 fold_input_amax(input_amax, x2d, activation.amax)
+            if telemetry is not None and not _in_backward():  # a recompute measured it already
+                telemetry.observe("fprop", "x", fprop, x2d, activation)
+                telemetry.observe("fprop", "w", fprop, weight, weight_operand,
+                                  weight_tile_rows(fprop))
             if bias is None:
                 y = emulated_gemm(activation, weight_operand, x.dtype, fprop.gemm_out_dtype)
             else:  # bias added in FP32, then one rounding
@@ -189,16 +195,18 @@ class _QuantizedLinear(torch.autograd.Function):
         # transpose-symmetric; MX formats quantize W^T afresh): otherwise the copy is not kept.
         reuse_weight = (need_dx and ops.dgrad is fprop and weight_operand is not None
                         and fprop.dgrad_reuses_fprop_weight)
-        ctx.ops, ctx.generator, ctx.cache = ops, generator, cache
+        ctx.ops, ctx.generator, ctx.cache, ctx.telemetry = ops, generator, cache, telemetry
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         saved_values = weight_operand.values if reuse_weight else None
         saved_scale = weight_operand.decode_scale if reuse_weight else None
-        ctx.save_for_backward(x2d if need_dw else None, weight, saved_values, saved_scale)
+        saved_amax = weight_operand.amax if reuse_weight else None  # the telemetry's tensor scale
+        ctx.save_for_backward(x2d if need_dw else None, weight, saved_values, saved_scale,
+                              saved_amax)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, saved_values, saved_scale = ctx.saved_tensors
+        x2d, weight, saved_values, saved_scale, saved_amax = ctx.saved_tensors
         ops: PassOps = ctx.ops
         dy2d = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
@@ -208,11 +216,16 @@ class _QuantizedLinear(torch.autograd.Function):
             if dgrad is None:
                 dx = _plain_mm(dy2d, weight, dy2d.dtype, ops.bf16_in_fp32)
             else:
-                fprop = GemmOperand(saved_values, saved_scale) if saved_values is not None else None
+                fprop = (GemmOperand(saved_values, saved_scale, saved_amax)
+                         if saved_values is not None else None)
                 grad_operand = dgrad.grad_dgrad(dy2d, ctx.generator)
                 weight_operand = _weight_operand(ctx.cache, "dgrad", dgrad,
                                                  lambda: dgrad.weight_dgrad(weight, fprop))
                 dx = emulated_gemm(grad_operand, weight_operand, ctx.x_dtype, dgrad.gemm_out_dtype)
+                if ctx.telemetry is not None:
+                    ctx.telemetry.observe("dgrad", "dy", dgrad, dy2d, grad_operand)
+                    ctx.telemetry.observe("dgrad", "w", dgrad, weight.t(), weight_operand,
+                                          weight_tile_rows(dgrad))
         if ctx.needs_input_grad[1]:
             wgrad = ops.wgrad
             if wgrad is None:
@@ -220,13 +233,16 @@ class _QuantizedLinear(torch.autograd.Function):
             else:
                 dw_operands = wgrad.grad_wgrad(dy2d, ctx.generator), wgrad.activation_wgrad(x2d)
                 dw = emulated_gemm(*dw_operands, weight.dtype, wgrad.gemm_out_dtype)
+                if ctx.telemetry is not None:
+                    ctx.telemetry.observe_wgrad("dy", wgrad, dy2d, dw_operands[0])
+                    ctx.telemetry.observe_wgrad("x", wgrad, x2d, dw_operands[1])
         if dx is not None:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         if dw is not None:
             dw = dw.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def pass_configs(config: QuantConfig | PassConfigs | None) -> PassConfigs:
@@ -247,6 +263,7 @@ def quantized_linear(
     generator: torch.Generator | None = None,
     weight_cache: WeightOperandCache | None = None,
     input_amax: torch.Tensor | None = None,
+    telemetry: OperandTelemetry | None = None,
 ) -> torch.Tensor:
     """One entry point for all formats. `config`: the format of every GEMM (NVFP4Config,
     MXFP4Config, MXFP8Config, FP8BlockConfig), or a PassConfigs with one per GEMM (Fprop, Dgrad,
@@ -254,7 +271,9 @@ def quantized_linear(
     exactly F.linear. `generator` drives stochastic rounding (None: torch's global RNG).
     `weight_cache` reuses the weight's quantized operands (the caller clears it when the weight
     changes). `input_amax`, a 0-d FP32 tensor, takes max |x| in place (fold_input_amax; the
-    Fprop quantizer's amax where it has one, so no extra pass over x)."""
+    Fprop quantizer's amax where it has one, so no extra pass over x). `telemetry` counts, on a
+    sample of each quantized operand, what its quantization flushed (nvfp4_recipe/telemetry.py);
+    it draws no random numbers, so the GEMMs compute the same with it on or off."""
     configs = pass_configs(config)
     if not configs.quantized:
         if input_amax is not None:
@@ -263,7 +282,8 @@ def quantized_linear(
     ops = PassOps.of(configs, x.device)
     for pass_ops in dict.fromkeys(o for o in ops[:3] if o is not None):
         pass_ops.check_shapes(x, weight)
-    return _QuantizedLinear.apply(x, weight, bias, ops, generator, weight_cache, input_amax)
+    return _QuantizedLinear.apply(x, weight, bias, ops, generator, weight_cache, input_amax,
+                                  telemetry)
 
 
 def nvfp4_linear(

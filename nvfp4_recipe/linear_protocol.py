@@ -3,14 +3,17 @@
 The per-step precision controller (training/precision.py) steers linears of two families: the
 emulated ones (nvfp4_recipe/megatron/parallel_linear.py, on CPUs and any GPU) and Transformer
 Engine's (on Blackwell, through the adapter in nvfp4_recipe/megatron/te_runtime.py). It asks each
-of them three things, and nothing else:
+of them these things, and nothing else:
 
 - `take_diagnostics`: the quantization statistics it recorded while the diagnostics were on
   (`RuntimePrecisionState.collect_diagnostics`), handed over and cleared;
 - `record_input_amax`: from now on, fold the max |x| of every GEMM input into a tensor the
   input-amax recorder owns (nvfp4_recipe/megatron/input_amax.py);
 - `refresh_weight_cache`: the weights may have changed (a new step, an evaluation), so the next
-  forward quantizes them again and the step's later micro-batches reuse that copy.
+  forward quantizes them again and the step's later micro-batches reuse that copy;
+- `take_telemetry`: the underflow counts its GEMMs accumulated while the telemetry was on
+  (`RuntimePrecisionState.telemetry_rows`, nvfp4_recipe/telemetry.py);
+- `set_formats`: run other formats from the next step on (the adaptive fallback, a replay's map).
 
 The model builder hands the controller every policy linear its rank holds as a `HeldLinear` (the
 policy's name, the format, the linear), so nobody searches a module tree for attributes. The
@@ -22,7 +25,7 @@ the policy keeps in BF16 is where a per-layer fallback to BF16 would put any oth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -43,6 +46,17 @@ class PrecisionLinear(Protocol):
 
     def refresh_weight_cache(self) -> None:
         """The start of a step or an evaluation: the next forward quantizes the current weights."""
+        ...
+
+    def take_telemetry(self) -> dict[str, torch.Tensor]:
+        """{"<pass>/<operand>": int64 counts (nvfp4_recipe.telemetry.COUNTS)} that the GEMMs
+        accumulated while `RuntimePrecisionState.telemetry_rows` was set, then forgotten; {}
+        where the linear cannot measure (TE's)."""
+        ...
+
+    def set_formats(self, formats: Any, gemm_config: Any) -> None:
+        """From the next forward on, run these formats (a PassFormats; `gemm_config`: its
+        emulated configs, nvfp4_recipe.registry.pass_configs_for), between steps."""
         ...
 
 

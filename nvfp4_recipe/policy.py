@@ -21,7 +21,7 @@ from .compute import GEMM_COMPUTE
 from .config import Gemm
 from .kernels import KERNEL_MODES, use_compiled
 from .passes import BF16, PASSES, PassFormats, parse_pass_map, pass_formats
-from .registry import Format, format_spec
+from .registry import Format, format_names, format_spec, is_format
 
 # The choices of the schema's choice fields (str-valued, spelled as in the YAML recipes: Hydra
 # rejects another value naming these; `validate_precision`, which the schema's __post_init__ runs,
@@ -60,6 +60,54 @@ class SwitchToBF16Config:
     at_fraction: Optional[float] = None
     # "all": forward and backward GEMMs switch; "forward": only Fprop (cheaper, most of the gain).
     passes: SwitchPasses = SwitchPasses.all
+
+
+class AdaptivePasses(StrEnum):
+    forward = "forward"
+    all = "all"
+
+
+# The GEMM passes each `adaptive.passes` value lets the fallback move.
+ADAPTIVE_PASSES = {AdaptivePasses.forward: ("fprop",), AdaptivePasses.all: PASSES}
+# The statistics the underflow telemetry measures per GEMM operand (nvfp4_recipe/telemetry.py),
+# the names of `adaptive.thresholds`' fields.
+TELEMETRY_STATS = ("flush", "scale_underflow", "scale_overflow")
+
+
+@dataclass
+class TelemetryConfig:
+    # Underflow telemetry (per linear, GEMM pass and operand: the flushed fraction and the blocks
+    # whose scale under- or overflows) every N optimizer steps, on the emulated GEMMs (0 = off).
+    every: int = 10
+    # Rows of each quantized operand sampled per GEMM call (tokens; channels of a Wgrad operand;
+    # weight rows, in whole 16x16 tiles): the cost is about this many rows' quantization.
+    rows: int = 64
+
+
+@dataclass
+class AdaptiveThresholds:
+    # A GEMM pass falls back when the statistic, its operands' largest, stays above this
+    # (a fraction in [0, 1]; null: not watched).
+    flush: Optional[float] = 0.25
+    scale_underflow: Optional[float] = None
+    scale_overflow: Optional[float] = None
+
+
+@dataclass
+class AdaptiveConfig:
+    # Move a linear's GEMM pass to the next format of `ladder` when a telemetry statistic stays
+    # above its threshold for `patience` consecutive telemetry windows (training/precision.py).
+    enabled: bool = False
+    # Formats from least to most precise; a pass whose format is not on it never moves.
+    ladder: list[str] = field(default_factory=lambda: ["nvfp4", "mxfp8", "bf16"])
+    thresholds: AdaptiveThresholds = field(default_factory=AdaptiveThresholds)
+    patience: int = 3
+    # "forward": only Fprop moves; "all": Fprop, Dgrad and Wgrad, each on its own statistics.
+    passes: AdaptivePasses = AdaptivePasses.all
+    # At most this fraction of the run's quantized GEMMs (linear x pass) ever falls back.
+    max_fallback_fraction: float = 0.25
+    # No decision after this optimizer step: the map is frozen (null: never frozen).
+    freeze_after_step: Optional[int] = None
 
 
 @dataclass
@@ -101,6 +149,10 @@ class PrecisionConfig:
     # saved in checkpoints: the activation scales of an NVFP4 serving export (0 = off;
     # nvfp4_recipe/megatron/input_amax.py).
     input_amax_steps: int = 1000
+    # Underflow telemetry of the emulated GEMMs (metrics `underflow/<linear>/<pass>/<operand>/
+    # <stat>`), and the per-linear fallback it drives.
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     # Per-linear formats: glob pattern (fnmatch, case-sensitive) on names like
     # `layers.3.mixer.in_proj` (pattern-layer index, megatron module name) -> a format, or a map
     # of passes as `format` takes (the passes it does not name keep the layer's formats). Beats
@@ -182,10 +234,61 @@ def validate_precision(cfg: PrecisionConfig) -> None:
     if cfg.input_amax_steps < 0:
         raise ValueError(f"precision.input_amax_steps={cfg.input_amax_steps} must be >= 0 "
                          "(0 = off)")
+    validate_adaptive(cfg)
     for pattern, fmt in cfg.overrides.items():
         if not isinstance(pattern, str) or not pattern.strip():
             raise ValueError(f"precision.overrides: {pattern!r} is not a module-name pattern")
         parse_pass_map(fmt, f"precision.overrides[{pattern!r}]")
+
+
+def validate_adaptive(cfg: PrecisionConfig) -> None:
+    """`precision.telemetry` and `precision.adaptive`: ValueError naming the key."""
+    telemetry, adaptive = cfg.telemetry, cfg.adaptive
+    if _not_int(telemetry.every) or telemetry.every < 0:
+        raise ValueError(f"precision.telemetry.every={telemetry.every!r} must be >= 0 (0 = off)")
+    if _not_int(telemetry.rows) or telemetry.rows < 1:
+        raise ValueError(f"precision.telemetry.rows={telemetry.rows!r} must be >= 1")
+    if adaptive.passes not in tuple(AdaptivePasses):
+        raise ValueError(f"precision.adaptive.passes={adaptive.passes!r}: choose one of "
+                         f"{', '.join(AdaptivePasses)}")
+    ladder = list(adaptive.ladder)
+    for fmt in ladder:
+        if not isinstance(fmt, str) or not is_format(fmt):
+            raise ValueError(f"precision.adaptive.ladder names {fmt!r}, not a format: choose "
+                             f"from {format_names()}")
+    if len(ladder) < 2 or len(set(ladder)) != len(ladder):
+        raise ValueError(f"precision.adaptive.ladder={ladder}: two or more distinct formats, "
+                         "least precise first (e.g. [nvfp4, mxfp8, bf16])")
+    for stat in TELEMETRY_STATS:
+        value = getattr(adaptive.thresholds, stat)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0.0 <= value <= 1.0):
+            raise ValueError(f"precision.adaptive.thresholds.{stat}={value!r}: a fraction in "
+                             "[0, 1], or null for not watched")
+    if _not_int(adaptive.patience) or adaptive.patience < 1:
+        raise ValueError(f"precision.adaptive.patience={adaptive.patience!r} must be >= 1 "
+                         "(consecutive telemetry windows)")
+    fraction = adaptive.max_fallback_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"precision.adaptive.max_fallback_fraction={fraction!r}: a fraction of "
+                         "the quantized GEMMs in [0, 1]")
+    freeze = adaptive.freeze_after_step
+    if freeze is not None and (_not_int(freeze) or freeze < 0):
+        raise ValueError(f"precision.adaptive.freeze_after_step={freeze!r} must be >= 0 (or "
+                         "null: never frozen)")
+    if adaptive.enabled:
+        if telemetry.every == 0:
+            raise ValueError("precision.adaptive.enabled=true needs the telemetry it decides "
+                             "from: set precision.telemetry.every >= 1")
+        if all(getattr(adaptive.thresholds, stat) is None for stat in TELEMETRY_STATS):
+            raise ValueError("precision.adaptive.enabled=true watches no statistic: set one of "
+                             "precision.adaptive.thresholds.{flush,scale_underflow,"
+                             "scale_overflow}")
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
 def recipe_formats(cfg: PrecisionConfig) -> PassFormats:
@@ -337,15 +440,20 @@ class PrecisionPolicy:
         return {f"layers.{d.index}.{n}": d.linear_format(n) for d in self.layers()
                 for n in self.linear_names.get(d.kind, ())}
 
-    def precision_map(self) -> dict[str, dict[str, str]]:
+    def precision_map(self, switched: Optional[Mapping[str, str]] = None
+                      ) -> dict[str, dict[str, str]]:
         """{linear name: {formats: runs of pattern-layer indices}}, e.g. {"mixer.in_proj":
         {"bf16": "0-2,56-60", "nvfp4": "4-54"}}: a run a-b covers every layer from a to b that
         has this linear (layers of other kinds in between do not break it). The formats are one
-        name where Fprop, Dgrad and Wgrad agree, else "fprop/dgrad/wgrad" ("mxfp8/nvfp4/nvfp4")."""
+        name where Fprop, Dgrad and Wgrad agree, else "fprop/dgrad/wgrad" ("mxfp8/nvfp4/nvfp4").
+        `switched`: {`layers.<i>.<name>`: formats} a run switched linears to (the adaptive
+        fallback's map, training/precision.py), shown instead of the policy's."""
+        switched = switched or {}
         by_name: dict[str, list[tuple[int, str]]] = {}
         for d in self.layers():
             for n in self.linear_names.get(d.kind, ()):
-                by_name.setdefault(n, []).append((d.index, str(d.linear_format(n))))
+                fmt = switched.get(f"layers.{d.index}.{n}", d.linear_format(n))
+                by_name.setdefault(n, []).append((d.index, str(PassFormats(fmt))))
         return {n: _runs(entries) for n, entries in by_name.items()}
 
     def describe_map(self) -> str:
@@ -408,9 +516,20 @@ class RuntimePrecisionState:
 
     bf16_passes: tuple[str, ...] = ()
     collect_diagnostics: bool = False
+    # Rows of each quantized operand the emulated GEMMs sample for the underflow telemetry
+    # during this step (nvfp4_recipe/telemetry.py); 0: not measuring.
+    telemetry_rows: int = 0
+    # {policy linear name: formats} of the linears switched at run time (the precision
+    # controller's apply_formats: the adaptive fallback, a replay's map) where they differ from
+    # the policy's. The TE linears read it at every forward (te_runtime.te_switchable_context);
+    # the emulated ones are handed their new configs.
+    linear_formats: dict[str, PassFormats] = field(default_factory=dict)
 
-    def formats(self, formats: PassFormats) -> PassFormats:
-        """A linear's formats now: its policy's, with the switched passes in BF16."""
+    def formats(self, formats: PassFormats, name: Optional[str] = None) -> PassFormats:
+        """A linear's formats now: its policy's (or those it was switched to, for the linear
+        `name`), with the late switch's passes in BF16."""
+        if name is not None:
+            formats = self.linear_formats.get(name, formats)
         return formats.with_bf16(self.bf16_passes) if self.bf16_passes else formats
 
 

@@ -22,6 +22,7 @@ from data.demo import ensure_demo_corpus
 from data.tokenizer import load_tokenizer_spec
 from model.build import build_model, choose_backend, padded_vocab_size
 from model.hf import load_hf_weights
+from model.specs import linear_shapes
 
 from . import checkpoint as ckpt
 from . import run_dir as run_dir_lib
@@ -52,7 +53,8 @@ class StepResult:
     lr: float  # the learning rate this step used
     skipped: bool
     health: dict[str, float] = field(default_factory=dict)  # grad/<layer>/... when measured
-    precision: dict[str, float] = field(default_factory=dict)  # quant/<layer>/... when measured
+    # quant/<layer>/... and underflow/<layer>/... when measured
+    precision: dict[str, float] = field(default_factory=dict)
     stop: bool = False  # a rank was signalled (agreed by every rank in the loss's reduction)
 
 
@@ -106,9 +108,11 @@ class Trainer:
         self.checkpoint_layout = ckpt.optimizer_layout(str(tr.checkpoint_layout),
                                                        tr.distributed_optimizer)
         self.scheduler = WSDScheduler(self.optimizer, tr)
-        self.precision = PrecisionController(cfg.precision, self.built, self.tokens_per_step,
-                                             self.total_tokens,
-                                             Every(cfg.precision.diagnostics_every))
+        self.precision = PrecisionController(
+            cfg.precision, self.built, self.tokens_per_step, self.total_tokens,
+            Every(cfg.precision.diagnostics_every), Every(cfg.precision.telemetry.every),
+            gemm_shapes={name: (s["in"], s["out"])
+                         for name, s in linear_shapes(cfg.model, ctx.tensor).items()})
         # Each rank draws its own stochastic-rounding stream (saved with its checkpoint).
         torch.manual_seed(stochastic_rounding_seed(tr.seed, ctx))
 
@@ -156,6 +160,8 @@ class Trainer:
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "consumed_tokens": self.consumed_tokens,
                 "input_amax": self.precision.input_amax.state_dict(),
+                # the adaptive fallback's map and windows (training/precision.py)
+                "precision": self.precision.state_dict(),
                 "evaluation": self.downstream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -167,6 +173,7 @@ class Trainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if "input_amax" in state:  # checkpoints written before it existed start an empty window
             self.precision.input_amax.load_state_dict(state["input_amax"])
+        self.precision.load_state_dict(state.get("precision"))  # absent before issue 40
         self.downstream.load_state_dict(state.get("evaluation"))
 
     @property
@@ -205,6 +212,8 @@ class Trainer:
             log.info(f"resharded from tensor {t} x pipeline {p} ({w} processes) to tensor "
                      f"{self.ctx.tensor} x pipeline {self.ctx.pipeline} ({self.ctx.world_size})")
         log.info(f"resumed from {path} at step {self.step}")
+        if self.precision.switched_formats():
+            log.info(f"precision map (with the run's fallbacks): {self.precision.describe_map()}")
 
     # -- one step ---------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict],
@@ -220,6 +229,11 @@ class Trainer:
         total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape,
                                   gemm=self.gemm)
         precision_metrics = self.precision.after_step(self.step)
+        # The adaptive fallback decides on this step's telemetry (reduced over the ranks, so
+        # every rank the same) and switches from the next step on.
+        for name, fields in self.precision.decide(self.step + 1):
+            if sink is not None:
+                sink.event(self.step + 1, name, **fields)
         # the stop flag rides in the loss's reduction: no collective or host sync of its own
         loss, stop = step_loss_and_stop(total, self.stop.requested, self.ctx)
         # Per-layer gradient health when due: the synced main grads, before clipping scales them.
@@ -348,7 +362,7 @@ class Trainer:
     def _report(self, metrics: dict, result: StepResult, eta: float) -> None:
         """The console: one status line per `trainer.log_every` steps and with each validation,
         and the diagnostics / gradient-health lines of the steps that measured them."""
-        if result.precision:
+        if any(key.startswith("quant/") for key in result.precision):
             log.info(diagnostics_summary(result.precision))
         if result.health:
             log.info(grad_health_line(result.health))

@@ -25,7 +25,9 @@ from megatron.core.tensor_parallel.mappings import (
 from nvfp4_recipe.diagnostics import quantization_error_tensors
 from nvfp4_recipe.config import PassConfigs
 from nvfp4_recipe.linear import WeightOperandCache, fold_input_amax, pass_configs, quantized_linear
+from nvfp4_recipe.passes import PassFormats
 from nvfp4_recipe.policy import RuntimePrecisionState
+from nvfp4_recipe.telemetry import OperandTelemetry
 
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -54,6 +56,9 @@ class _PrecisionLinearMixin:
         # it, None (the default, outside the trainer) -> quantize at every call.
         self.is_first_microbatch: Optional[bool] = None
         self.weight_cache = WeightOperandCache()
+        # The underflow counts of this linear's GEMMs while runtime_state.telemetry_rows is set
+        # (nvfp4_recipe/telemetry.py), taken by the controller once per window.
+        self.telemetry = OperandTelemetry(0)
 
     # -- the PrecisionLinear protocol (nvfp4_recipe/linear_protocol.py) --------------------
     def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -66,6 +71,14 @@ class _PrecisionLinearMixin:
 
     def refresh_weight_cache(self) -> None:
         self.is_first_microbatch = True
+
+    def take_telemetry(self) -> dict[str, torch.Tensor]:
+        return self.telemetry.take()
+
+    def set_formats(self, formats: PassFormats, gemm_config: PassConfigs) -> None:
+        # The weight cache keeps each copy with its config, so a pass that changes format never
+        # reuses the old format's copy (nvfp4_recipe/linear.py: WeightOperandCache).
+        self.gemm_format, self.gemm_config = formats, gemm_config
 
     def _active_gemm_config(self) -> Optional[PassConfigs]:
         """The configs of this call's GEMMs: the linear's, with the passes the late switch turned
@@ -89,8 +102,12 @@ class _PrecisionLinearMixin:
         else:
             if self.runtime_state.collect_diagnostics:
                 self._record_diagnostics(x_c, w_c, config.fprop)
+            rows = self.runtime_state.telemetry_rows
+            if rows:
+                self.telemetry.rows = rows
             out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache(),
-                                   input_amax=self.input_amax)
+                                   input_amax=self.input_amax,
+                                   telemetry=self.telemetry if rows else None)
             if (self.runtime_state.collect_diagnostics and out.requires_grad
                     and config.dgrad is not None):
                 out.register_hook(lambda g: self._record_gradient(g, config.dgrad))

@@ -39,16 +39,34 @@ from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
 
 
 def te_formats_recipe(formats: PassFormats, state: RuntimePrecisionState,
-                      recipes: dict[str, Any]) -> Optional[Any]:
-    """The recipe a linear of these formats runs under now (None: plain BF16). `recipes`: one per
-    PassFormats the run's linears run at some step (te_mapping.during_run), built once."""
-    now = state.formats(formats)
+                      recipes: dict[str, Any], name: Optional[str] = None) -> Optional[Any]:
+    """The recipe a linear of these formats runs under now (None: plain BF16); `name`: the
+    policy name of a linear the controller may switch at run time (state.linear_formats).
+    `recipes`: one per PassFormats the run's linears run at some step (te_mapping.during_run),
+    built once; a `RecipeTable` builds the others (a run-time switch's) on first use."""
+    now = state.formats(formats, name)
     if not now.low_precision:
         return None
-    if now not in recipes:
+    try:
+        return recipes[now]
+    except KeyError:
         raise KeyError(f"no TE recipe was built for {now} (Fprop/Dgrad/Wgrad); build_model "
-                       "builds one for every format its linears run, before and after the switch")
-    return recipes[now]
+                       "builds one for every format its linears run, before and after the "
+                       "switch") from None
+
+
+class RecipeTable(dict):
+    """{PassFormats: TE recipe} that builds a missing recipe once, on first use (`build`): the
+    formats a linear is switched to at run time (precision.adaptive's ladder, a replay's map) are
+    not known when the model is built. One object per formats, as for the others."""
+
+    def __init__(self, built: dict, build: Callable[[PassFormats], Any]):
+        super().__init__(built)
+        self.build = build
+
+    def __missing__(self, formats: PassFormats):
+        recipe = self[formats] = self.build(formats)
+        return recipe
 
 
 def te_layer_recipe(decision: LayerPrecision, state: RuntimePrecisionState,
@@ -71,13 +89,16 @@ def te_layer_context(decision: LayerPrecision, state: RuntimePrecisionState,
 def te_linear_context(layer_formats: PassFormats, linear_formats: PassFormats,
                       state: RuntimePrecisionState, recipes: dict[str, Any],
                       autocast: Callable[[Any], Any],
-                      no_autocast: Callable[[], Any]) -> Callable[[], Any]:
+                      no_autocast: Callable[[], Any],
+                      name: Optional[str] = None) -> Callable[[], Any]:
     """A factory of the context one linear's forward runs in, inside its layer's context: nothing
-    when the linear runs what its layer runs, else its own recipe or TE's autocast turned off."""
+    when the linear runs what its layer runs, else its own recipe or TE's autocast turned off.
+    With `name` (the linear's policy name) the linear's formats are read from the runtime state
+    at every forward, so the controller can switch them (PrecisionController.apply_formats)."""
 
     def context():
         layer = te_formats_recipe(layer_formats, state, recipes)
-        linear = te_formats_recipe(linear_formats, state, recipes)
+        linear = te_formats_recipe(linear_formats, state, recipes, name)
         if linear is layer:
             return nullcontext()
         return no_autocast() if linear is None else autocast(linear)
@@ -87,15 +108,31 @@ def te_linear_context(layer_formats: PassFormats, linear_formats: PassFormats,
 
 class TEPrecisionLinear:
     """A megatron TE linear wrapper (TELinear, TELayerNormColumnParallelLinear, ...) as a
-    `nvfp4_recipe.linear_protocol.PrecisionLinear`. TE's linears record no diagnostics and no
-    input amax (input_amax.py); their quantized-weight cache is refreshed through TE's own flag
-    (see the module docstring)."""
+    `nvfp4_recipe.linear_protocol.PrecisionLinear`. TE's linears record no diagnostics, no
+    underflow telemetry and no input amax (input_amax.py); their quantized-weight cache is
+    refreshed through TE's own flag (see the module docstring). Their formats switch through
+    the runtime state their gemm context reads per forward (`switchable`: built with one)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, switchable: bool = False):
         self.module = module
+        self.switchable = switchable
 
     def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
         return {}
+
+    def take_telemetry(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def set_formats(self, formats: PassFormats, gemm_config: Any = None) -> None:
+        # Nothing to hold here: the linear's context reads RuntimePrecisionState.linear_formats,
+        # which the controller sets, at its next forward. TE re-reads the autocast's recipe at
+        # every forward and re-creates its quantizers when it changed (init_fp8_metadata, TE
+        # v2.9 module/base.py:1007-1061; a recipe of another class also drops the cached
+        # quantized weights, :1051-1061), and the backward follows the recipe its forward ran
+        # (module/linear.py:433-434), so a switch between steps reaches both.
+        if not self.switchable:
+            raise RuntimeError("this TE linear was built without a run-time format switch "
+                               "(model.build.build_model gives every low-precision linear one)")
 
     def record_input_amax(self, into: torch.Tensor) -> bool:
         return False
