@@ -27,6 +27,19 @@ Activations of one micro-batch (BF16, 2 B per element; sp = t with parallel.sequ
                   + context = proj in (n_q d_head)] / t; flash-style kernels keep no s^2 score
                   matrix (their per-row log-sum-exp is neglected)
         mlp       2h / sp (norm in, fc1 in) + [fc1 out (f) + activation out (f)] / t
+    (plan backend te) a low-precision linear keeps its input for Wgrad as TE quantized it, not
+      in BF16 (te_layer_activation_bytes_per_token): one copy, the column-wise one, of the Wgrad
+      pass's format, QUANTIZED_BYTES_PER_ELEMENT per element. TE quantizes the input row- and
+      column-wise for Fprop and drops the row-wise data before saving it (linear.py: v2.8:370-390,
+      v2.18:560-577; the norm-fused in_proj / qkv / fc1, layernorm_linear.py v2.8:404-414,
+      v2.18:459-469, save the quantized norm output, no BF16 one: the norm is quantizing). So
+      in_proj_in, qkv_in, fc1_in, out_proj_in and fc2's input (activation_out) shrink to the
+      quantized bytes. Exceptions, from the same lines: under sequence parallelism the norm-fused
+      linears keep the row-wise NVFP4 data too (all-gathered for Wgrad; MXFP8 and FP8 block
+      gather column-wise data): two copies; and the attention output projection's input is also
+      the attention output that TE's fused attention saves in BF16 (q, k, v, out:
+      attention/dot_product_attention/backends.py v2.8:1240-1276), so its quantized copy comes on
+      top of `context`.
     + (plan backend emulated) each low-precision linear whose Dgrad reads Fprop's weight copy
       (NVFP4 16x16, FP8 block: emulated_keeps_weight_copy) saves it (BF16 values): 2 B x its
       weight elements per rank, per micro-batch (nvfp4_recipe/linear.py).
@@ -187,6 +200,47 @@ def activation_elements_per_token(kind: str, m, tensor: int,
         f = m.ffn_hidden_size
         return {"norm_in": h, "fc1_in": h, "fc1_out": f / tensor, "activation_out": f / tensor}
     raise ValueError(f"unknown layer kind {kind!r}")
+
+
+# Per layer kind, each linear's saved GEMM input under TE: (linear, its entry in
+# activation_elements_per_token, norm fused into the linear, another op saves the BF16 tensor
+# too). Module names as the precision policy's (the plan reads each built linear's format).
+TE_LINEAR_INPUTS = {
+    "mamba": (("mixer.in_proj", "in_proj_in", True, False),
+              ("mixer.out_proj", "out_proj_in", False, False)),
+    "attention": (("self_attention.linear_qkv", "qkv_in", True, False),
+                  ("self_attention.linear_proj", "context", False, True)),
+    "mlp": (("mlp.linear_fc1", "fc1_in", True, False),
+            ("mlp.linear_fc2", "activation_out", False, False)),
+}
+
+
+def te_saved_input_bytes(fmt: str, norm_fused: bool, sequence_parallel: bool) -> float:
+    """Bytes per element of the input a TE linear of format `fmt` (or a per-pass map) keeps for
+    its backward (module docstring): the Wgrad pass's format's column-wise copy, twice for a
+    norm-fused NVFP4 linear under sequence parallelism; BF16's 2 B where Wgrad runs in BF16."""
+    wgrad = PassFormats(fmt).wgrad
+    if wgrad not in QUANTIZED_BYTES_PER_ELEMENT:
+        return BYTES_ACTIVATION
+    copies = 2 if norm_fused and sequence_parallel and wgrad == "nvfp4" else 1
+    return copies * QUANTIZED_BYTES_PER_ELEMENT[wgrad]
+
+
+def te_layer_activation_bytes_per_token(kind: str, m, tensor: int, sequence_parallel: bool,
+                                        linear_formats: dict[str, str]) -> float:
+    """Bytes per token one layer keeps on one TP rank under TE: the BF16 elements of
+    activation_elements_per_token, with each low-precision linear's saved input in TE's quantized
+    form (module docstring). `linear_formats`: {linear module name: format}, the plan's."""
+    elements = activation_elements_per_token(kind, m, tensor, sequence_parallel)
+    total = BYTES_ACTIVATION * sum(elements.values())
+    for linear, entry, norm_fused, shared in TE_LINEAR_INPUTS.get(kind, ()):
+        per_element = te_saved_input_bytes(linear_formats.get(linear, "bf16"), norm_fused,
+                                           sequence_parallel)
+        if shared:  # the BF16 tensor stays (another op's); a quantized copy is extra
+            total += 0 if per_element == BYTES_ACTIVATION else per_element * elements[entry]
+        else:
+            total += (per_element - BYTES_ACTIVATION) * elements[entry]
+    return total
 
 
 def stage_activation_bytes(layer_bytes: list[int], input_bytes: int, recompute) -> dict[str, int]:

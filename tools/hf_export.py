@@ -148,17 +148,19 @@ ZERO_AMAX = ("refuse", "weights-only")  # what --weights nvfp4 does with an unus
 SERVED = ("bf16", "nvfp4", "mxfp8")  # the forward formats a serving export writes (docs/serving.md)
 
 
-def serving_formats(files: RunFiles, weights: str) -> dict[str, str]:
+def serving_formats(files: RunFiles, weights: str,
+                    switched: Optional[dict] = None) -> dict[str, str]:
     """{`layers.<i>.<linear>`: the format its forward ran in} of the run's precision map
     (hf_nvfp4.forward_formats), refusing (exit 2) a run with MXFP4/FP8 linears (no serving
     format here), one without a linear in `weights`' format, and for --weights mxfp8 one with
-    NVFP4 linears (--weights nvfp4 writes both)."""
+    NVFP4 linears (--weights nvfp4 writes both). `switched`: the formats the run switched
+    linears to (precision.adaptive's map in the checkpoint's trainer.pt), which win."""
     # deferred: model.build imports megatron (~3 s); export refuses bad arguments and --output first
     from model.build import precision_policy
 
     try:
-        formats = hf_nvfp4.forward_formats(
-            precision_policy(files.model, files.precision).linear_formats())
+        linear_formats = precision_policy(files.model, files.precision).linear_formats()
+        formats = hf_nvfp4.forward_formats({**linear_formats, **(switched or {})})
     except ValueError as exc:
         raise HFError(f"the run's precision config: {exc}") from None
     other = sorted({f for f in formats.values() if f not in SERVED})
@@ -273,6 +275,14 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     files = read_run(run_dir)
     formats = serving_formats(files, weights) if weights != "bf16" else None
     checkpoint = pick_checkpoint(run_dir, step)
+    if formats is not None:
+        # deferred: megatron, as in serving_formats
+        from training.precision import checkpoint_precision_map
+
+        # the map the checkpoint's forward ran: the adaptive fallback's switches win
+        switched = checkpoint_precision_map(checkpoint)
+        if switched:
+            formats = serving_formats(files, weights, switched)
     amax, amax_steps = (recorded_input_amax(checkpoint, formats, weights_only)
                         if weights == "nvfp4" else (None, 0))
     unusable = (weights_only_linears(amax, amax_steps, formats, zero_amax or "refuse")

@@ -432,6 +432,15 @@ def _time(cfg, plan: PlanConfig, layout: _Layout, flops_per_token: float) -> dic
     }
 
 
+def _resumed_map(cfg) -> dict:
+    """The formats a run.resume=auto run continues with where precision.adaptive switched
+    linears before its newest checkpoint ({}: the policy's)."""
+    # deferred: training.precision imports megatron, as _build_meta does
+    from training.precision import resume_precision_map
+
+    return resume_precision_map(cfg.run.dir) if cfg.run.resume == "auto" else {}
+
+
 def build_plan(cfg, plan: Optional[PlanConfig] = None, policy=None) -> dict[str, Any]:
     """The plan of a TrainConfig as the plan.json dictionary (needs megatron's parallel state
     initialised with tensor = pipeline = 1). `policy`: the start-up's precision policy of `cfg`
@@ -466,7 +475,8 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, policy=None) -> dict[str,
         "output_layer_parameters": params.output_layer[0],
         "final_norm_parameters": params.final_norm[0], "gemm_parameters": params.gemm,
         "recipe": built.policy.recipe(),
-        "precision_map": built.policy.precision_map(),
+        # a run that continues from a checkpoint runs the formats its adaptive fallback chose
+        "precision_map": built.policy.precision_map(_resumed_map(cfg)),
         "backend": backend, "backend_reason": reason,
         "preflight": checks.as_dict(),
         "memory_per_rank_gib": _gib(max(row["total_bytes"] for row in stage_rows)),

@@ -29,6 +29,7 @@ implementations (emulated and TE), and the input-amax recorder the serving expor
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field as dataclass_field
 from typing import Any, Callable, Mapping, Optional
 
@@ -44,6 +45,7 @@ from nvfp4_recipe.policy import (ADAPTIVE_PASSES, SWITCHED_PASSES, TELEMETRY_STA
 from nvfp4_recipe.registry import format_spec, pass_configs_for
 from nvfp4_recipe.telemetry import OPERANDS, ratios
 
+from . import checkpoint as ckpt
 from .cadence import Every
 
 # The underflow telemetry's metric keys: `underflow/<linear>/<pass>/<operand>/<stat>`, the linear
@@ -428,6 +430,26 @@ def precision_map_of(trainer_state: Optional[Mapping[str, Any]]) -> dict[str, Pa
     checkpoint's trainer.pt (loaded with weights_only=True); {} for a checkpoint without them."""
     state = (trainer_state or {}).get("precision") or {}
     return {name: PassFormats(fmt) for name, fmt in (state.get("map") or {}).items()}
+
+
+def checkpoint_precision_map(checkpoint: Path) -> dict[str, PassFormats]:
+    """precision_map_of a checkpoint directory's trainer.pt ({} where it has none or cannot be
+    read: the map is informational where this is used, the weights are read separately)."""
+    try:
+        state = torch.load(Path(checkpoint) / "trainer.pt", map_location="cpu", weights_only=True)
+        return precision_map_of(state if isinstance(state, dict) else None)
+    except Exception:  # noqa: BLE001  (a missing or unreadable trainer.pt: the policy's map)
+        return {}
+
+
+def resume_precision_map(run_dir: Path) -> dict[str, PassFormats]:
+    """The switched formats a run in `run_dir` continues with (run.resume=auto): those of its
+    newest checkpoint that has a trainer.pt; {} for a fresh directory."""
+    root = Path(run_dir) / "checkpoints"
+    for checkpoint in reversed(ckpt.step_dirs(root)) if root.is_dir() else ():
+        if (checkpoint / "trainer.pt").is_file():
+            return checkpoint_precision_map(checkpoint)
+    return {}
 
 
 def diagnostics_summary(diag: dict[str, float]) -> str:

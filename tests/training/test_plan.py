@@ -116,8 +116,14 @@ def test_12b_mxfp8_te_weight_cache_is_one_byte_and_a_scale_per_32(parallel_conte
     (nv_stage,) = build_plan(train_config("nemotron_h_12b", nvfp4(**every), **kw),
                              PlanConfig(backend="te"))["memory"]["stages"]
     assert nv_stage["te_weight_cache_bytes"] == round(weights / 4 * 2 * (0.5 + 1 / 16))
-    # Nothing else differs: activations are counted in BF16 for every format, parameters alike.
-    assert stage["kept_per_micro_batch_bytes"] == nv_stage["kept_per_micro_batch_bytes"]
+    # The activations differ by the linears' saved inputs, which TE keeps quantized (one
+    # column-wise copy, no sequence parallelism here): (1 + 1/32) - (0.5 + 1/16) B per element of
+    # in_proj's and fc1's and qkv's inputs (h), out_proj's (d_inner / 4), fc2's (f / 4) and the
+    # attention output projection's (40 x 128 / 4, a copy beside the BF16 attention output).
+    saved_inputs = (28 * (5_120 + 10_240 / 4) + 28 * (5_120 + 20_480 / 4)
+                    + 6 * (5_120 + 40 * 128 / 4))
+    assert stage["kept_per_micro_batch_bytes"] - nv_stage["kept_per_micro_batch_bytes"] == \
+        8192 * saved_inputs * ((1 + 1 / 32) - (0.5 + 1 / 16))
     assert stage["static_bytes"] - nv_stage["static_bytes"] == \
         stage["te_weight_cache_bytes"] - nv_stage["te_weight_cache_bytes"]
     # MXFP4 has no TE recipe: a TE plan of it is refused, naming the way out.
@@ -181,9 +187,13 @@ def test_sequence_parallel_divides_every_activation(parallel_context):
         expected = elements_12b(kind, 4, sp=True) * 8192 * 2 / 2**30
         assert sp["memory"]["activations_per_layer_gib"][kind] == pytest.approx(expected,
                                                                                 abs=1e-3)
-    # 62 layers x 2h x (1 - 1/4) x 8192 tokens x 2 B saved on the layers, and the final-norm /
-    # output-layer inputs (2h) likewise; static memory unchanged.
-    saved = (62 + 1) * 2 * H_12B * 0.75 * 8192 * 2 / 2**30
+    # Per layer its norm's input (h, BF16) and its norm-fused first linear's (h): 3/4 of 2 B
+    # each saved on the 10 BF16 layers and the final-norm / output-layer inputs; on the 52 NVFP4
+    # layers TE keeps that linear's input as one column-wise NVFP4 copy of h without sequence
+    # parallelism, two copies (row-wise too, for the all-gather) of h / 4 with it.
+    n = 0.5 + 1 / 16
+    saved = ((10 + 1) * 2 * H_12B * 0.75 * 2
+             + 52 * (H_12B * 0.75 * 2 + H_12B * (n - 2 * n / 4))) * 8192 / 2**30
     assert plain["memory"]["activations_gib"] - sp["memory"]["activations_gib"] == \
         pytest.approx(saved, abs=2e-3)
     assert sp["memory"]["static_gib"] == plain["memory"]["static_gib"]
@@ -222,16 +232,27 @@ def test_12b_paper_layout_every_term(parallel_context):
                      + 6 * (5_120 * 7_168 + 5_120 * 5_120))
     assert mem["te_weight_cache_gib"] == pytest.approx(nvfp4_weights / 4 * 1.125 / gib, abs=1e-3)
     # Activations, one micro-batch in flight (pipeline 1): every layer + the final-norm and
-    # output-layer inputs, all / 4; logits 8192 x 131072 / 4 x (2 B BF16 + 4 B FP32).
-    per_token = (28 * elements_12b("mamba", 4, True) + 28 * elements_12b("mlp", 4, True)
-                 + 6 * elements_12b("attention", 4, True) + 2 * H_12B / 4)
-    assert mem["activations_gib"] == pytest.approx(per_token * 8192 * 2 / gib, abs=2e-3)
+    # output-layer inputs, all / 4; logits 8192 x 131072 / 4 x (2 B BF16 + 4 B FP32). BF16
+    # elements (2 B) but for the NVFP4 layers' linear inputs, which TE keeps quantized: the
+    # norm-fused in_proj / fc1 / qkv input (h / 4) as two NVFP4 copies (sequence parallel),
+    # out_proj's (d_inner / 4) and fc2's (f / 4) as one, and the attention output projection's
+    # (40 x 128 / 4) as one beside the BF16 attention output.
+    n = 0.5 + 1 / 16
+    nvfp4_bytes = {
+        "mamba": 2 * elements_12b("mamba", 4, True) - (2 - 2 * n) * 1_280 - (2 - n) * 2_560,
+        "mlp": 2 * elements_12b("mlp", 4, True) - (2 - 2 * n) * 1_280 - (2 - n) * 5_120,
+        "attention": 2 * elements_12b("attention", 4, True) - (2 - 2 * n) * 1_280 + n * 1_280,
+    }
+    per_token_bytes = (5 * 2 * elements_12b("mamba", 4, True) + 5 * 2 * elements_12b("mlp", 4, True)
+                       + 23 * nvfp4_bytes["mamba"] + 23 * nvfp4_bytes["mlp"]
+                       + 6 * nvfp4_bytes["attention"] + 2 * 2 * H_12B / 4)
+    assert mem["activations_gib"] == pytest.approx(per_token_bytes * 8192 / gib, abs=2e-3)
     assert mem["logits_gib"] == pytest.approx(8192 * 131072 / 4 * 6 / gib, abs=1e-3)
     assert mem["transient_gib"] == 0  # TE's FusedAdam steps in place
     assert mem["peak_phase"] == "end of forward"
     assert plan["memory_per_rank_gib"] == pytest.approx(
         mem["static_gib"] + mem["activations_gib"] + mem["logits_gib"], abs=0.01)
-    assert 30 < plan["memory_per_rank_gib"] < 40  # 34.3 GiB: the README and the recipe say so
+    assert 30 < plan["memory_per_rank_gib"] < 40  # 31.95 GiB: the README and the recipe say so
 
 
 def test_recompute_accounting_by_hand():
@@ -284,11 +305,16 @@ def test_recompute_pipeline_and_data_parallel(parallel_context):
     assert sharded["memory"]["transient_gib"] == pytest.approx(4 * pr / 2 / 2**30, abs=1e-3)
     assert sharded["memory"]["optimizer_fp32_gib"] == pytest.approx(12 * pr / 2 / 2**30, abs=1e-3)
     # The emulated NVFP4 linears save their quantized BF16 weight for Dgrad, per micro-batch:
-    # 2 B x the 9,074,769,920 NVFP4 GEMM weights (test_12b_paper_layout_every_term) / 4.
+    # 2 B x the 9,074,769,920 NVFP4 GEMM weights (test_12b_paper_layout_every_term) / 4; and
+    # their BF16 inputs where TE keeps NVFP4 copies (0.5 + 1/16 B; no sequence parallelism):
+    # in_proj + out_proj (5,120 + 2,560), fc1 + fc2 (5,120 + 5,120) and qkv (5,120) per token,
+    # less the attention projection's input copy TE keeps on top (1,280).
     cfg.trainer.recompute = "none"
     emu = build_plan(cfg, PlanConfig(backend="emulated"))
+    n = 0.5 + 1 / 16
+    inputs = 8192 * ((2 - n) * (23 * 7_680 + 23 * 10_240 + 6 * 5_120) - n * 6 * 1_280)
     assert emu["memory"]["activations_gib"] - plain["memory"]["activations_gib"] == \
-        pytest.approx(2 * 9_074_769_920 / 4 / 2**30, abs=2e-3)
+        pytest.approx((2 * 9_074_769_920 / 4 + inputs) / 2**30, abs=2e-3)
     assert emu["memory"]["te_weight_cache_gib"] == 0
     # Pipeline 2 (62 layers split 31/31): the first stage holds 2 micro-batches in flight.
     pp = build_plan(train_config("nemotron_h_12b", nvfp4(), tensor=4, pipeline=2, **kw))
@@ -504,6 +530,77 @@ def test_memory_benchmark_refuses_a_bad_setting_before_it_starts_a_run(capsys):
     assert "--measure" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--recompute='sometimes'"):
         main(["--measure", "--recompute", "none,sometimes"])
+
+
+def _demo_kept_bytes(precision: PrecisionConfig, backend: str, tensor: int = 1,
+                     sequence: bool = False) -> int:
+    cfg = train_config("demo", precision, tensor=tensor, seq_length=256, micro_batch_size=1,
+                       global_batch_size=8)
+    cfg.parallel.sequence = sequence
+    (stage,) = build_plan(cfg, PlanConfig(backend=backend))["memory"]["stages"]
+    return stage["kept_per_micro_batch_bytes"]
+
+
+def test_te_plan_counts_the_quantized_inputs_te_saves_for_wgrad(parallel_context):
+    """The demo model (h 256, f 1024, 32 Mamba heads x 16 = d_inner 512, 2 groups x state 64,
+    8 query heads of 32 with 2 KV groups; 4 Mamba, 4 MLP, 1 attention layer), 256 tokens, no
+    recompute, every layer low precision, counted by hand. TE keeps each quantized linear's
+    input as its Wgrad copy (model/memory_model.py): 1 + 1/32 B per element in MXFP8, 0.5 + 1/16
+    in NVFP4, twice for the norm-fused linears under sequence parallelism; the emulation keeps
+    BF16 inputs (2 B)."""
+    every = dict(bf16_first_layers=0, bf16_last_layers=0)
+    tokens, head = 256, 2 * 256 * 256 * 2  # the final-norm and output-layer inputs, BF16
+    # BF16 elements per token: norm in, in_proj in, in_proj out, conv out, scan out, out_proj in
+    mamba = [256, 256, 2 * 512 + 256 + 32, 512 + 256, 512, 512]
+    mlp = [256, 256, 1024, 1024]  # norm in, fc1 in, fc1 out, activation out = fc2 in
+    attention = [256, 256, (8 + 4) * 32, 8 * 32]  # norm in, qkv in, qkv out, context = proj in
+
+    def kept(per_token_bytes: dict[str, float]) -> int:
+        return round(tokens * (4 * per_token_bytes["mamba"] + 4 * per_token_bytes["mlp"]
+                               + per_token_bytes["attention"])) + head
+
+    bf16 = {"mamba": 2 * sum(mamba), "mlp": 2 * sum(mlp), "attention": 2 * sum(attention)}
+    assert bf16 == {"mamba": 7_232, "mlp": 5_120, "attention": 2_304}
+    assert _demo_kept_bytes(PrecisionConfig(), "te") == kept(bf16)
+
+    q = 1 + 1 / 32  # MXFP8
+    mxfp8 = {"mamba": 2 * sum(mamba) - (2 - q) * (256 + 512),  # in_proj in, out_proj in
+             "mlp": 2 * sum(mlp) - (2 - q) * (256 + 1024),  # fc1 in, fc2 in
+             # qkv in quantized; the projection's quantized input beside attention's BF16 output
+             "attention": 2 * sum(attention) - (2 - q) * 256 + q * 256}
+    assert mxfp8 == {"mamba": 6_488, "mlp": 3_880, "attention": 2_320}
+    mx = PrecisionConfig(name="mxfp8", format="mxfp8", **every)
+    assert _demo_kept_bytes(mx, "te") == kept(mxfp8)
+    assert _demo_kept_bytes(mx, "emulated") == kept(bf16)  # nvfp4_recipe/linear.py keeps BF16 x
+
+    # NVFP4, tensor 2 with sequence parallelism: h-wide terms / 2 as well; in_proj and fc1 and
+    # qkv (norm fused) keep the row-wise NVFP4 copy too, for the all-gather.
+    n = 0.5 + 1 / 16
+    mamba_sp = [128, 128, 1312 / 2, 768 / 2, 512 / 2, 512 / 2]
+    mlp_sp, attention_sp = [128, 128, 512, 512], [128, 128, 384 / 2, 256 / 2]
+    nvfp4_sp = {"mamba": 2 * sum(mamba_sp) - (2 - 2 * n) * 128 - (2 - n) * 256,
+                "mlp": 2 * sum(mlp_sp) - (2 - 2 * n) * 128 - (2 - n) * 512,
+                "attention": 2 * sum(attention_sp) - (2 - 2 * n) * 128 + n * 128}
+    sp_head = 2 * 256 * 128 * 2
+    nv = PrecisionConfig(name="nvfp4", format="nvfp4", **every)
+    assert _demo_kept_bytes(nv, "te", tensor=2, sequence=True) == \
+        kept(nvfp4_sp) - head + sp_head
+
+
+def test_te_saved_input_bytes_follow_the_wgrad_pass():
+    """The saved input is the Wgrad operand: a per-pass map keeps its Wgrad format's copy, a BF16
+    Wgrad the BF16 input; only NVFP4's norm-fused linears keep two copies under sequence
+    parallelism (MXFP8 and FP8 block gather column-wise data: layernorm_linear.py)."""
+    from model.memory_model import te_saved_input_bytes
+
+    assert te_saved_input_bytes("mxfp8", False, False) == 1 + 1 / 32
+    assert te_saved_input_bytes("mxfp8/nvfp4/nvfp4", False, False) == 0.5 + 1 / 16
+    assert te_saved_input_bytes("nvfp4/nvfp4/bf16", True, True) == 2
+    assert te_saved_input_bytes("bf16", True, True) == 2
+    assert te_saved_input_bytes("nvfp4", True, True) == 2 * (0.5 + 1 / 16)
+    assert te_saved_input_bytes("nvfp4", False, True) == 0.5 + 1 / 16  # row-parallel
+    assert te_saved_input_bytes("mxfp8", True, True) == 1 + 1 / 32
+    assert te_saved_input_bytes("fp8", True, True) == 1.0
 
 
 def test_the_emulated_plan_counts_fprops_weight_copy_only_where_dgrad_keeps_it():
