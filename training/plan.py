@@ -42,7 +42,8 @@ Peak per rank = static + the largest of
                      0 with TE's FusedAdam (backend te). The activations are gone by then.
     Neglected: the scan's per-head dt / cumulative-decay vectors (H per token), each parameter's
     BF16 .grad before the DDP hook folds it into main_grad (the largest, the output layer's, is
-    2 V h / t B), TE's quantized saved inputs (smaller than the BF16 counted), kernel workspaces,
+    2 V h / t B), the scale padding of TE's quantized saved inputs (counted at
+    QUANTIZED_BYTES_PER_ELEMENT: model/memory_model.py), kernel workspaces,
     the CUDA context and allocator fragmentation. The activation model is the GPU kernels'; the
     portable spec on CPU keeps more (FP32 SSD-scan and attention intermediates):
     docs/benchmarks/memory-plan.md measures both.
@@ -84,6 +85,7 @@ from model.memory_model import (
     pipeline_stages,
     sharded_param_ids,
     stage_activation_bytes,
+    te_layer_activation_bytes_per_token,
 )
 from model.recompute import RecomputeConfig
 from nvfp4_recipe.policy import describe_precision_map
@@ -319,11 +321,16 @@ def _stage_rows(cfg, layout: _Layout, params: _Parameters, backend: str, recompu
     m, tr = cfg.model, cfg.trainer
     t, p, sp = layout.tensor, layout.pipeline, layout.sequence_parallel
     kinds = m.layer_kinds()
-    # Activations of one micro-batch, per layer (bytes): BF16 tensors + emulated weight copies.
+    # Activations of one micro-batch, per layer (bytes): BF16 tensors (TE: quantized linear
+    # inputs) + emulated weight copies.
     b, s = tr.micro_batch_size, tr.seq_length
     per_token = {k: sum(activation_elements_per_token(k, m, t, sp).values())
                  for k in dict.fromkeys(kinds)}
-    act_layer = [round(per_token[k] * b * s * BYTES_ACTIVATION) for k in kinds]
+    if backend == "te":  # each low-precision linear keeps its input as TE quantized it
+        act_layer = [round(te_layer_activation_bytes_per_token(k, m, t, sp, layer["linears"]) * b * s)
+                     for k, layer in zip(kinds, params.layers)]
+    else:  # the emulated linear keeps its BF16 input (nvfp4_recipe/linear.py)
+        act_layer = [round(per_token[k] * b * s * BYTES_ACTIVATION) for k in kinds]
     if backend == "emulated":
         weight_2d = cfg.precision.weight_2d
         act_layer = [a + BYTES_EMULATED_WEIGHT_COPY * sum(
