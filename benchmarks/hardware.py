@@ -6,7 +6,8 @@ Transformer Engine) and measures, at GEMM shapes of the 12B Nemotron-H model:
     per-tensor E4M3, operands pre-quantized; TE `Float8BlockScaling` on CUDA); NVFP4 through TE
     `NVFP4BlockScaling` (compute capability 10.x only); MXFP8 through TE `MXFP8BlockScaling`
     (CUDA); the nvfp4_recipe emulation of NVFP4 (fast and exact GEMM modes) and of MXFP8 (fast;
-    shapes whose K and N are whole 32-blocks), quantization of x and W included, as in training;
+    shapes whose K and N are whole 32-blocks; its quantizer compiled where inductor can build it,
+    and eager beside it), quantization of x and W included, as in training;
   * a training step (forward, backward, AdamW) of the demo model (and on CUDA of a ~1B hybrid,
     HYBRID_1B below) in BF16 and NVFP4 (TE on 10.x, else emulated): tokens/s and, on a GPU with a
     known peak, MFU against the dense BF16 peak;
@@ -210,6 +211,12 @@ def bench_gemms(shapes: list[GemmShape], tokens: int, device: torch.device, warm
             paths["mxfp8 fast"] = ("emulated (nvfp4_recipe, fast)",
                                    lambda: quantized_linear(x, w, None, MXFP8Config(gemm="fast")))
             notes["mxfp8 fast"] = "quantizes x and W (1x32, E4M3 + E8M0) per call"
+            # The same linear with the eager quantizer: what the compiled one (kernels="auto",
+            # nvfp4_recipe/mxfp8.py "Kernels") saves, interleaved with it.
+            paths["mxfp8 fast, eager"] = (
+                "emulated (nvfp4_recipe, fast, kernels=eager)",
+                lambda: quantized_linear(x, w, None, MXFP8Config(gemm="fast", kernels="eager")))
+            notes["mxfp8 fast, eager"] = "as mxfp8 fast, eager quantizer (PyTorch ops)"
         else:
             rows.append(_skip("gemm", f"{shape.name}: mxfp8 fast", label,
                               "emulated (nvfp4_recipe, fast)",

@@ -66,6 +66,9 @@ def test_the_gemm_bench_has_an_mxfp8_row_where_the_shape_is_whole_32_blocks():
     assert mx["status"] == "ok" and mx["ms"] > 0 and mx["unit"] == "TFLOP/s"
     assert mx["vs_bf16"] == by_case["a: bf16"]["ms"] / mx["ms"]
     assert "1x32" in mx["note"] and by_case["a: nvfp4 fast"]["status"] == "ok"
+    eager = by_case["a: mxfp8 fast, eager"]  # the quantizer's eager path, timed beside it
+    assert eager["status"] == "ok" and "kernels=eager" in eager["path"]
+    assert "b: mxfp8 fast, eager" not in by_case
     skipped = by_case["b: mxfp8 fast"]
     assert skipped["status"] == "skipped"
     assert skipped["note"] == "K 64 or N 80 not a multiple of the MXFP8 block (32)"
