@@ -9,6 +9,7 @@ import torch
 from megatron.core.activations import squared_relu
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
 
 import compat
 from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
@@ -22,6 +23,7 @@ from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa
 from .backend import fused_conv1d_loads
 from .config import ModelConfig, policy_for, precision_policy  # noqa: F401  (re-exported)
 from .mamba_mixer import mamba_kernels_how
+from .moe import local_expert_module, moe_transformer_fields, te_moe_refusal
 from .recompute import RecomputeConfig
 from .specs import portable_layer_spec, te_layer_spec, with_linear_contexts
 from .stack import HybridStack
@@ -108,12 +110,15 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
                        recompute: RecomputeConfig = RecomputeConfig(),
                        sequence_parallel: bool = False, cpu_initialization: bool = True,
                        mem_eff_mamba: bool = False,
-                       fuse_wgrad: bool = False) -> TransformerConfig:
+                       fuse_wgrad: bool = False, expert_parallel: int = 1,
+                       expert_tensor_parallel: int = 1) -> TransformerConfig:
     """megatron's config for the model. Training passes params_dtype=bf16 (BF16 weights and
     activations; FP32 master weights live in the optimizer); float32 serves exact comparisons.
     `cpu_initialization`: use_cpu_initialization; `mem_eff_mamba`: use_mamba_mem_eff_path
     (backend.mamba_mem_eff_path); `fuse_wgrad`: gradient_accumulation_fusion ("config" of
-    gradient_accumulation_fusion())."""
+    gradient_accumulation_fusion()); `expert_parallel`, `expert_tensor_parallel`: the MoE
+    layers' expert_model_parallel_size and expert_tensor_parallel_size (model/moe.py has the
+    other MoE fields)."""
     recompute.validate()
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -150,6 +155,9 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         gradient_accumulation_fusion=fuse_wgrad,
         persist_layer_norm=False,
         pipeline_dtype=params_dtype,  # what flows between pipeline stages
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
+        **moe_transformer_fields(cfg, cuda=not cpu_initialization),
     )
 
 
@@ -179,6 +187,8 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                          "choose_backend(precision, model.spec)")
     state = RuntimePrecisionState()
     decisions = policy.layers()
+    if backend == "te" and te_moe_refusal(cfg):
+        raise ValueError(te_moe_refusal(cfg))
     if backend == "te":
         # One recipe object per formats a linear runs (its layer's, an override's), before and
         # after the switch to BF16.
@@ -216,6 +226,8 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                 "layer_contexts": contexts, "recompute_config": recompute,
                 "te_layers": backend == "te"},
     )
+    if cfg.moe is not None:  # the expert groups megatron's parallel state was split into
+        stage_kwargs = {**_expert_parallel_sizes(), **stage_kwargs}
     fusion, fusion_why = gradient_accumulation_fusion(backend, main_grads,
                                                       main_grads and apex_fused_wgrad_available())
     mem_eff = mamba_mem_eff_path(spec_family, _fused_conv1d(backend))
@@ -260,12 +272,20 @@ def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
                  linear_names: dict[str, tuple[str, ...]], te: bool) -> list[HeldLinear]:
     """The policy's linears among this pipeline stage's layers, named as the policy names them
     (`layers.<pattern index>.<module name>`): the emulated linears are their own PrecisionLinear,
-    TE's are adapted (te_runtime.TEPrecisionLinear)."""
+    TE's are adapted (te_runtime.TEPrecisionLinear). An MoE layer's routed experts are named
+    by their global index; this rank holds those of its expert-parallel rank."""
     held = []
     for local, layer in enumerate(stack.layers):
         decision = decisions[stack.layer_offset + local]
         for name in linear_names.get(decision.kind, ()):
-            module = layer.get_submodule(name)
+            path = name
+            if decision.kind == "moe":
+                experts = layer.mlp
+                path = local_expert_module(name, experts.num_local_experts,
+                                           get_pg_rank(experts.ep_group))
+                if path is None:  # another expert-parallel rank's expert
+                    continue
+            module = layer.get_submodule(path)
             # build_model gives every quantized TE linear a gemm context that reads its
             # formats per forward (te_runtime.te_linear_context with its name)
             linear = (TEPrecisionLinear(module, switchable=hasattr(module, "gemm_context"))
@@ -276,6 +296,18 @@ def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
             held.append(HeldLinear(f"layers.{decision.index}.{name}",
                                    decision.linear_format(name), linear))
     return held
+
+
+def _expert_parallel_sizes() -> dict:
+    """{"expert_parallel", "expert_tensor_parallel"} of megatron's parallel state (1 and 1 where
+    it is not initialised), for TransformerConfig's expert_model_parallel_size and
+    expert_tensor_parallel_size, which must agree with the groups the MoE layers use."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"expert_parallel": 1, "expert_tensor_parallel": 1}
+    return {"expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size()}
 
 
 def _fused_conv1d(backend: str) -> bool:

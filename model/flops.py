@@ -4,12 +4,17 @@ and the hardware bench (benchmarks/hardware.py, MFU) share; model/memory_model.p
 fwd + bwd = 3 x forward for every term (the backward of a GEMM is two GEMMs of the same size).
 With m = a ModelConfig, s = sequence length, V = the padded vocabulary:
 
-    gemm        6 x N_gemm, N_gemm = the weights of every linear + the output layer (V x h). The
+    gemm        6 x N_gemm, N_gemm = the weights of every linear a token passes through + the output
+                layer (V x h). The
                 embedding is a lookup, not a GEMM. Per layer:
                   mamba      h (2 d_inner + 2 g N + H) (in_proj: z, x, B, C, dt)
                              + d_inner h (out_proj)
                   attention  h (n_q + 2 n_kv) d (linear_qkv) + n_q d h (linear_proj)
                   mlp        2 h f (fc1, fc2; squared ReLU, no gate)
+                  moe        k 2 h f_e + 2 h f_s + h E: the top-k routed experts a token passes
+                             (of E, each of width f_e), the shared expert (f_s) and the FP32 router;
+                             N_gemm counts the active weights, and the built model holds
+                             E 2 h f_e + 2 h f_s in its linears (`layer_gemm_weights`).
     attention   6 x n_q d s / 2 x 2 per attention layer = 6 n_q d s: Q K^T and scores x V (2 x 2 d
                 FLOPs per query-key pair) over the causal mean context of s / 2 keys, which is what
                 flash kernels compute.
@@ -42,12 +47,46 @@ def layer_gemm_weights(kind: str, m) -> int:
         return h * (q + 2 * kv) + q * h
     if kind == "mlp":
         return 2 * h * m.ffn_hidden_size
+    if kind == "moe":
+        return m.moe.num_experts * _expert_weights(m) + _shared_expert_weights(m)
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
+def _expert_weights(m) -> int:
+    return 2 * m.hidden_size * m.moe.ffn_hidden_size
+
+
+def _shared_expert_weights(m) -> int:
+    f = m.moe.shared_expert_ffn_hidden_size
+    return 0 if f is None else 2 * m.hidden_size * f
+
+
+def layer_active_gemm_weights(kind: str, m) -> int:
+    """The GEMM weights one token passes through in a layer of `kind`: an MoE layer's top-k
+    experts, its shared expert and its router; every weight of the other kinds."""
+    if kind != "moe":
+        return layer_gemm_weights(kind, m)
+    return (m.moe.topk * _expert_weights(m) + _shared_expert_weights(m)
+            + m.hidden_size * m.moe.num_experts)
+
+
+def inactive_parameters(m) -> int:
+    """The parameters a token does not use: in every MoE layer, the routed experts it is not
+    sent to. Active parameters = all parameters - this."""
+    if m.moe is None:
+        return 0
+    return m.layer_kinds().count("moe") * (m.moe.num_experts - m.moe.topk) * _expert_weights(m)
+
+
 def gemm_weights(m, vocab_padded: int) -> int:
-    """N_gemm: the linears of every layer + the output layer."""
+    """The weights of the linears of every layer + the output layer (what the model holds)."""
     return sum(layer_gemm_weights(k, m) for k in m.layer_kinds()) + m.hidden_size * vocab_padded
+
+
+def active_gemm_weights(m, vocab_padded: int) -> int:
+    """N_gemm: the GEMM weights one token passes through (= gemm_weights without MoE layers)."""
+    return (sum(layer_active_gemm_weights(k, m) for k in m.layer_kinds())
+            + m.hidden_size * vocab_padded)
 
 
 def layer_nongemm_flops(kind: str, m, seq: int) -> dict[str, float]:
@@ -65,7 +104,7 @@ def layer_nongemm_flops(kind: str, m, seq: int) -> dict[str, float]:
 
 def flops_per_token_terms(m, seq: int, vocab_padded: int) -> dict[str, float]:
     """{gemm, attention, ssd_scan, conv1d, total} model FLOPs per token (module docstring)."""
-    terms = {"gemm": 6.0 * gemm_weights(m, vocab_padded), "attention": 0.0, "ssd_scan": 0.0,
+    terms = {"gemm": 6.0 * active_gemm_weights(m, vocab_padded), "attention": 0.0, "ssd_scan": 0.0,
              "conv1d": 0.0}
     for kind in m.layer_kinds():
         for key, value in layer_nongemm_flops(kind, m, seq).items():

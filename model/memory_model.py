@@ -199,6 +199,15 @@ def activation_elements_per_token(kind: str, m, tensor: int,
     if kind == "mlp":
         f = m.ffn_hidden_size
         return {"norm_in": h, "fc1_in": h, "fc1_out": f / tensor, "activation_out": f / tensor}
+    if kind == "moe":
+        # The router's input (the norm's output), the top-k dispatched copies of each token and
+        # what each routed expert keeps (whole: expert tensor parallel 1), the shared expert
+        # split over the tensor group as a dense MLP.
+        k, f_e = m.moe.topk, m.moe.ffn_hidden_size
+        f_s = m.moe.shared_expert_ffn_hidden_size or 0
+        return {"norm_in": h, "router_in": h, "dispatched": k * m.hidden_size,
+                "expert_fc1_out": k * f_e, "expert_activation_out": k * f_e,
+                "shared_fc1_out": f_s / tensor, "shared_activation_out": f_s / tensor}
     raise ValueError(f"unknown layer kind {kind!r}")
 
 

@@ -23,8 +23,11 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                        TransformerLayerSubmodules)
 
 from nvfp4_recipe.megatron.parallel_linear import (
     PrecisionColumnParallelLinear,
@@ -34,14 +37,17 @@ from nvfp4_recipe.policy import LayerPrecision, PrecisionConfig, RuntimePrecisio
 from nvfp4_recipe.registry import pass_configs_for
 
 from .attention import PortableSelfAttention, SDPACoreAttention
-from .config import LINEAR_NAMES, ModelConfig
+from .config import LINEAR_NAMES, SHARED_EXPERT_LINEARS, ModelConfig, expert_linear_name
 from .mamba_mixer import MambaMixer, MambaMixerSubmodules
+from .moe import PolicySequentialMLP, PortableTopKRouter
 
 # The linears of each layer kind, by their megatron module names (plan.json uses these).
-def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState):
-    """(column spec, row spec) of a layer's two linears, each in its own formats (the policy's,
-    one per GEMM pass); a linear all in BF16 gets no config."""
-    column_name, row_name = LINEAR_NAMES[decision.kind]
+def _portable_linears(decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState,
+                      names: tuple[str, str] | None = None):
+    """(column spec, row spec) of a layer's two linears (`names`, default the kind's
+    LINEAR_NAMES), each in its own formats (the policy's, one per GEMM pass); a linear all in
+    BF16 gets no config."""
+    column_name, row_name = names or LINEAR_NAMES[decision.kind]
     specs = []
     for cls, name in ((PrecisionColumnParallelLinear, column_name),
                       (PrecisionRowParallelLinear, row_name)):
@@ -87,6 +93,8 @@ def portable_layer_spec(
     decision: LayerPrecision, cfg: PrecisionConfig, state: RuntimePrecisionState,
     model: ModelConfig,
 ) -> ModuleSpec:
+    if decision.kind == "moe":
+        return _portable_moe_spec(decision, cfg, state, model)
     column, row = _portable_linears(decision, cfg, state)
     if decision.kind == "mamba":
         return ModuleSpec(
@@ -128,6 +136,41 @@ def portable_layer_spec(
             ),
         )
     raise ValueError(f"unknown layer kind {decision.kind!r}")
+
+
+def _portable_moe_spec(decision: LayerPrecision, cfg: PrecisionConfig,
+                       state: RuntimePrecisionState, model: ModelConfig) -> ModuleSpec:
+    """megatron's MoE layer (as its hybrid spec's moe_layer, models/mamba/mamba_layer_specs.py in
+    mc 0.16.1) with a torch pre-norm, the FP32 router and the emulated linears in every expert.
+    The experts' spec carries the layer's formats; an expert an override changed is switched
+    to its own (model/moe.py: PolicySequentialMLP)."""
+    expert_formats: dict[int, dict[str, tuple]] = {}
+    for g in range(model.moe.num_experts):
+        for linear in ("linear_fc1", "linear_fc2"):
+            fmt = decision.linear_format(expert_linear_name(g, linear))
+            if fmt != decision.format:
+                expert_formats.setdefault(g, {})[linear] = (
+                    fmt, pass_configs_for(*fmt.formats, cfg) if fmt.low_precision else None)
+    # The layer's formats, as an expert linear with no override has them.
+    column, row = _portable_linears(decision, cfg, state,
+                                    (expert_linear_name(-1, "linear_fc1"),
+                                     expert_linear_name(-1, "linear_fc2")))
+    shared = None
+    if model.moe.shared_expert_ffn_hidden_size is not None:
+        s_column, s_row = _portable_linears(decision, cfg, state, SHARED_EXPERT_LINEARS)
+        shared = ModuleSpec(module=SharedExpertMLP,
+                            submodules=MLPSubmodules(linear_fc1=s_column, linear_fc2=s_row))
+    experts = ModuleSpec(module=PolicySequentialMLP, params={"expert_formats": expert_formats},
+                         submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
+    return ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=TorchNorm,
+            mlp=ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+                experts=experts, shared_experts=shared, router=PortableTopKRouter)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
 
 
 def te_layer_spec(decision: LayerPrecision, model: ModelConfig) -> ModuleSpec:
@@ -209,17 +252,19 @@ def with_linear_contexts(layer: ModuleSpec, contexts: dict) -> ModuleSpec:
 # -- local GEMM shapes (the preflight's input) -----------------------------------------------------
 
 
-def linear_shapes(model: ModelConfig, tensor: int) -> dict[str, dict]:
+def linear_shapes(model: ModelConfig, tensor: int,
+                  expert_tensor: int | None = None) -> dict[str, dict]:
     """{module name: {"in": K, "out": N, "parallel": "column" | "row"}} of each linear on one
     tensor-parallel rank, as megatron shards it: column-parallel linears split their outputs (the
     Mamba in_proj each of z, x, B, C, dt: mc 0.16.1 ssm/mamba_mixer.py:247-258), row-parallel ones
-    their inputs. Assumes `layout_problems(model, tensor)` is empty."""
+    their inputs; an MoE layer's routed experts over `expert_tensor` ranks (None: `tensor`, as
+    megatron). Assumes `layout_problems(model, tensor)` is empty."""
     t, h = tensor, model.hidden_size
     d_inner = model.mamba_num_heads * model.mamba_head_dim
     in_proj = (2 * d_inner + 2 * model.mamba_num_groups * model.mamba_state_dim
                + model.mamba_num_heads)
     q, kv, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
-    return {
+    shapes = {
         "mixer.in_proj": {"in": h, "out": in_proj // t, "parallel": "column"},
         "mixer.out_proj": {"in": d_inner // t, "out": h, "parallel": "row"},
         "self_attention.linear_qkv": {"in": h, "out": (q + 2 * kv) * d // t, "parallel": "column"},
@@ -227,6 +272,23 @@ def linear_shapes(model: ModelConfig, tensor: int) -> dict[str, dict]:
         "mlp.linear_fc1": {"in": h, "out": model.ffn_hidden_size // t, "parallel": "column"},
         "mlp.linear_fc2": {"in": model.ffn_hidden_size // t, "out": h, "parallel": "row"},
     }
+    if model.moe is not None:
+        # Routed experts are split over the expert tensor-parallel group (SequentialMLP builds
+        # each MLP with tp_group=expt_tp, transformer/moe/experts.py:852-859 in mc 0.16.1), whose
+        # size megatron defaults to the tensor size (parallel_state.py:786-787); the shared
+        # expert over the tensor group, as a dense MLP.
+        et = tensor if expert_tensor is None else expert_tensor
+        f_e, f_s = model.moe.ffn_hidden_size, model.moe.shared_expert_ffn_hidden_size
+        for g in range(model.moe.num_experts):
+            shapes[expert_linear_name(g, "linear_fc1")] = {"in": h, "out": f_e // et,
+                                                           "parallel": "column"}
+            shapes[expert_linear_name(g, "linear_fc2")] = {"in": f_e // et, "out": h,
+                                                           "parallel": "row"}
+        if f_s is not None:
+            fc1, fc2 = SHARED_EXPERT_LINEARS
+            shapes[fc1] = {"in": h, "out": f_s // t, "parallel": "column"}
+            shapes[fc2] = {"in": f_s // t, "out": h, "parallel": "row"}
+    return shapes
 
 
 def layout_problems(model: ModelConfig, tensor: int) -> list[str]:
@@ -244,5 +306,10 @@ def layout_problems(model: ModelConfig, tensor: int) -> list[str]:
         checks += [("the QKV outputs (heads + 2 x query groups) x kv_channels", qkv)]
     if "mlp" in kinds:  # ColumnParallelLinear: divide(output, tp), tensor_parallel/layers.py:842
         checks += [("model.ffn_hidden_size", model.ffn_hidden_size)]
+    if "moe" in kinds:  # the experts split over the expert-TP group, megatron's default: TP
+        checks += [("model.moe.ffn_hidden_size", model.moe.ffn_hidden_size)]
+        if model.moe.shared_expert_ffn_hidden_size is not None:
+            checks += [("model.moe.shared_expert_ffn_hidden_size",
+                        model.moe.shared_expert_ffn_hidden_size)]
     return [f"{key}={value} is not divisible by tensor parallel {tensor}"
             for key, value in checks if value % tensor]

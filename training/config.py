@@ -103,6 +103,12 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = field(default=None, metadata=at_least(1))
     last_stage_layers: Optional[int] = field(default=None, metadata=at_least(1))
     sequence: bool = False
+    # MoE layers (model.moe): the routed experts split over this many ranks (megatron's
+    # expert_model_parallel_size), each expert over expert_tensor_parallel_size ranks (null: the
+    # tensor size, megatron's default). ETP x EP x pipeline must divide the world size.
+    expert_model_parallel_size: int = field(default=1, metadata=at_least(1))
+    expert_tensor_parallel_size: Optional[int] = field(
+        default=None, metadata=at_least(1, "or null: parallel.tensor"))
     # auto: gloo on CPU, nccl on GPUs.
     backend: ProcessGroupBackend = ProcessGroupBackend.auto
     # Minutes a rank waits in a collective for the others before the job fails (every process
@@ -276,11 +282,36 @@ def validate(cfg: TrainConfig, world_size: int) -> PrecisionPolicy:
     return policy
 
 
+def check_expert_parallel(model: ModelConfig, par: ParallelConfig, world_size: int) -> None:
+    """The expert-parallel layout against the model and the world size (ConfigError), before
+    megatron's parallel_state would refuse it with a RuntimeError (parallel_state.py:786-795 in
+    mc 0.16.1) or MoELayer with a bare assert (moe_layer.py:101)."""
+    ep = par.expert_model_parallel_size
+    etp = par.tensor if par.expert_tensor_parallel_size is None else par.expert_tensor_parallel_size
+    if model.moe is None:
+        if ep > 1 or par.expert_tensor_parallel_size is not None:
+            raise ConfigError(f"parallel.expert_model_parallel_size={ep}, "
+                              f"parallel.expert_tensor_parallel_size="
+                              f"{par.expert_tensor_parallel_size}: model.pattern="
+                              f"{model.pattern!r} has no MoE layer ('E') to split")
+        return
+    if model.moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
+                          f"parallel.expert_model_parallel_size={ep}")
+    grid = etp * ep * par.pipeline
+    if world_size % grid:
+        raise ConfigError(
+            f"parallel.expert_model_parallel_size={ep} x expert tensor parallel {etp} x "
+            f"parallel.pipeline={par.pipeline} = {grid} does not divide the world size "
+            f"({world_size} processes): EP x ETP x PP x expert data parallel must equal it")
+
+
 def check_across_groups(cfg: TrainConfig, world_size: int) -> PrecisionPolicy:
     """The pure checks that involve more than one group, or the world size (ConfigError).
     Returns the precision policy, built here to check the precision config against the model."""
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     dp = data_parallel_size(t, p, world_size)
+    check_expert_parallel(cfg.model, cfg.parallel, world_size)
     tr = cfg.trainer
     if tr.global_batch_size % (tr.micro_batch_size * dp):
         raise ConfigError(

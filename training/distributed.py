@@ -80,9 +80,12 @@ DEFAULT_TIMEOUT_MINUTES = 30
 
 
 def init_distributed(tensor: int, pipeline: int, backend: str = "auto",
-                     timeout_minutes: int = DEFAULT_TIMEOUT_MINUTES) -> ParallelContext:
+                     timeout_minutes: int = DEFAULT_TIMEOUT_MINUTES, expert_parallel: int = 1,
+                     expert_tensor_parallel: Optional[int] = None) -> ParallelContext:
     """Join the process group torchrun set up (or make a one-process group) and split it; every
-    group (the world's and megatron's) gives up on a collective after `timeout_minutes`."""
+    group (the world's and megatron's) gives up on a collective after `timeout_minutes`.
+    `expert_parallel`, `expert_tensor_parallel`: the MoE layers' expert groups
+    (parallel.expert_model_parallel_size / expert_tensor_parallel_size; None: `tensor`)."""
     from megatron.core import parallel_state
 
     if backend == "auto":
@@ -103,6 +106,8 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto",
         parallel_state.initialize_model_parallel(  # its groups' timeout (0.16.1 parallel_state.py:819, core_v0.19.0 :909)
             tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
             distributed_timeout_minutes=timeout_minutes,
+            expert_model_parallel_size=expert_parallel,  # parallel_state.py:557-559, 786-795
+            expert_tensor_parallel_size=expert_tensor_parallel,
         )
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))

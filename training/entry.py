@@ -59,15 +59,19 @@ def _start_up(raw):
     with _config_errors():  # every group, data files included, before anything is written
         policy = validate(cfg, launched_world_size())
     ctx = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend,
-                           timeout_minutes=cfg.parallel.timeout_minutes)
+                           timeout_minutes=cfg.parallel.timeout_minutes,
+                           expert_parallel=cfg.parallel.expert_model_parallel_size,
+                           expert_tensor_parallel=cfg.parallel.expert_tensor_parallel_size)
     # deferred: model.build imports megatron (~3 s); the checks above refuse a bad config first
     from model.build import choose_backend
+    from model.moe import te_moe_refusal
 
     with _config_errors():  # the config against this machine
         backend = choose_backend(cfg.precision, cfg.model.spec, ctx.hardware)[0]
         ctx.hardware.gemm_compute(cfg.precision.gemm_compute)  # refuses fp32 on a GPU
     if backend == "te":
-        refusal = te_environment_refusal(os.environ, te_formats(cfg.precision))
+        refusal = (te_moe_refusal(cfg.model)
+                   or te_environment_refusal(os.environ, te_formats(cfg.precision)))
         if refusal:
             raise ConfigError(refusal)
     preflight = run_preflight(cfg, policy, backend, ctx.hardware)

@@ -70,8 +70,7 @@ from typing import Any, Optional
 from atomic_files import write_text_atomically
 from errors import ExitCode
 from field_ranges import above, at_least, check_fields, within
-from model.config import LINEAR_NAMES
-from model.flops import flops_per_token_terms, gemm_weights
+from model.flops import flops_per_token_terms, gemm_weights, inactive_parameters
 from model.memory_model import (
     BYTES_ACTIVATION,
     BYTES_EMULATED_WEIGHT_COPY,
@@ -281,8 +280,8 @@ def _count_parameters(built, m, tensor: int, vocab_padded: int) -> _Parameters:
     layer_rank_params, layer_lowp = [], []
     for i, layer in enumerate(module.decoder.layers):
         linears, lowp = {}, {}
-        for name in LINEAR_NAMES[kinds[i]]:
-            sub = layer.get_submodule(name)
+        for name in built.policy.linear_names.get(kinds[i], ()):  # an MoE layer's are the model's
+            sub = layer.get_submodule(name)  # built at EP = 1: an expert's global index is local
             fmt = getattr(sub, "gemm_format", None)
             if fmt != decisions[i].linear_format(name):
                 raise AssertionError(f"layer {i} {name}: built {fmt!r}, policy "
@@ -473,6 +472,8 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, policy=None) -> dict[str,
 
     return {
         "parameters": params.total,
+        # what one token passes through: all but the routed experts it is not sent to
+        "active_parameters": params.total - inactive_parameters(m),
         "parameters_per_rank": max(row["parameters_per_rank"] for row in stage_rows),
         "vocab_size": vocab, "vocab_size_padded": vocab_padded, "vocab_source": vocab_source,
         "pattern": m.pattern,

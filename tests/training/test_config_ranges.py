@@ -32,7 +32,8 @@ BAD = [
     ("trainer.grad_clip", -1.0), ("trainer.adam_beta1", 1.0), ("trainer.adam_beta2", -0.1),
     ("trainer.adam_eps", 0.0), ("parallel.tensor", 0), ("parallel.pipeline", -1),
     ("parallel.first_stage_layers", 0), ("parallel.timeout_minutes", 0),
-    ("parallel.timeout_minutes", 24 * 60 + 1),
+    ("parallel.timeout_minutes", 24 * 60 + 1), ("parallel.expert_model_parallel_size", 0),
+    ("parallel.expert_tensor_parallel_size", 0),
     ("model.hidden_size", 0), ("model.num_attention_heads", 0), ("model.num_query_groups", 0),
     ("model.mamba_num_groups", 0), ("model.mamba_chunk_size", 0), ("model.kv_channels", -1),
     ("model.vocab_size", 0), ("model.vocab_multiple", 0), ("model.max_sequence_length", 0),
@@ -93,6 +94,9 @@ def _schemas(cls=TrainConfig, prefix="") -> list[tuple[str, type]]:
     found = []
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
+        # an optional group (model.moe: Optional[MoEConfig]) is a group too
+        if typing.get_origin(hint) is typing.Union:
+            hint = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
         if dataclasses.is_dataclass(hint):
             key = f"{prefix}{f.name}"
             found += [(key, hint), *_schemas(hint, key + ".")]
@@ -112,7 +116,7 @@ def _numeric(cls) -> list[dataclasses.Field]:
 def test_the_walk_finds_every_group():
     assert {key for key, _ in _schemas()} >= {"run", "model", "precision", "data", "data.demo",
                                               "parallel", "trainer", "logger", "evaluation",
-                                              "plan", "precision.switch_to_bf16"}
+                                              "plan", "precision.switch_to_bf16", "model.moe"}
 
 
 @pytest.mark.parametrize("key,cls", SCHEMAS, ids=[key for key, _ in SCHEMAS])

@@ -1,0 +1,141 @@
+"""The Mixture-of-Experts layer (`E` in model.pattern): megatron-core's MoELayer with the
+precision policy's linears in its experts.
+
+- Router: megatron's TopKRouter, in FP32 (moe_router_dtype="fp32"; its weight is an FP32
+  parameter, mc 0.16.1 transformer/moe/router.py:53-55), never quantized: it is not a linear of
+  the policy. `PortableTopKRouter` only allocates the expert-bias buffers where the router's
+  weight lives (megatron puts them on torch.cuda.current_device(), router.py:163-179, which a
+  CPU run does not have).
+- Experts: megatron's SequentialMLP, one MLP per expert built from the layer's linear spec (the
+  emulated PrecisionColumn/RowParallelLinear), so each expert's GEMMs run in the recipe's formats
+  and every expert linear is a linear the precision controller steers. An expert whose linear
+  `precision.overrides` gives another format is switched to it after the build
+  (`PolicySequentialMLP`), by the same call the controller uses at run time (set_formats).
+- Shared expert: megatron's SharedExpertMLP with the same linears.
+- Dispatch: dropless (moe_expert_capacity_factor=None). The portable spec uses megatron's
+  all-gather dispatcher; the all-to-all one needs CUDA streams at construction and in its
+  device-to-host copies (mc 0.16.1 transformer/moe/token_dispatcher.py:444-445, 862-895), so it
+  runs only on a GPU.
+
+On the TE spec the experts would be megatron's TEGroupedMLP (one grouped GEMM per layer,
+TEGroupedLinear; transformer/moe/experts.py:512 in mc 0.16.1), which runs NVFP4 only with TE's
+grouped NVFP4 GEMM (TransformerEngine PR #2971) and needs per-expert token counts padded for
+quantization (moe_router_padding_for_quantization, transformer_config.py:614-626). That path is
+not wired here: `te_moe_refusal` says so before a model is built.
+"""
+
+from __future__ import annotations
+
+from copy import copy
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.utils import get_pg_rank
+
+from nvfp4_recipe.passes import PassFormats
+
+from .config import ModelConfig
+
+
+def moe_transformer_fields(cfg: ModelConfig, cuda: bool) -> dict:
+    """megatron's TransformerConfig fields of the model's MoE layers ({} without any)."""
+    moe = cfg.moe
+    if moe is None:
+        return {}
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+        "moe_router_score_function": str(moe.score_function),
+        "moe_router_topk_scaling_factor": moe.topk_scaling_factor,
+        "moe_router_enable_expert_bias": moe.expert_bias,
+        "moe_router_bias_update_rate": moe.bias_update_rate,
+        "moe_router_load_balancing_type": str(moe.load_balancing),
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        # megatron refuses a softmax over one chosen score (its gradient is zero,
+        # transformer_config.py:1632-1641): with top-1 the softmax runs over all experts first.
+        "moe_router_pre_softmax": moe.topk == 1 and moe.score_function == "softmax",
+        "moe_router_dtype": "fp32",  # the router stays in high precision
+        "moe_expert_capacity_factor": None,  # dropless
+        "moe_token_dispatcher_type": "alltoall" if cuda else "allgather",
+        "moe_grouped_gemm": False,  # SequentialMLP: one emulated linear pair per expert
+    }
+
+
+class PortableTopKRouter(TopKRouter):
+    """megatron's TopKRouter with its expert-bias buffers on the device of its weight."""
+
+    def __init__(self, config, pg_collection=None) -> None:
+        with_bias = config.moe_router_enable_expert_bias
+        if with_bias:  # built without, then the same two buffers as router.py:163-179
+            config = _replaced(config, moe_router_enable_expert_bias=False)
+        super().__init__(config=config, pg_collection=pg_collection)
+        if with_bias:
+            self.config = _replaced(config, moe_router_enable_expert_bias=True)
+            self.enable_expert_bias = True
+            n, device = self.config.num_moe_experts, self.weight.device
+            del self.local_tokens_per_expert, self.expert_bias  # megatron's None attributes
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(n, dtype=torch.float32, device=device),
+                                 persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32,
+                                                            device=device))
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """megatron's gating (router.py:79-101 in mc 0.16.1, :87-109 in core_v0.19.0) without its
+        move of a CPU weight to the GPU, for a CPU run: the logits in FP32 (moe_router_dtype)."""
+        if input.is_cuda:
+            return super().gating(input)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
+                                                                    input.dtype)
+        # router_gating_linear's own GEMM needs TE (moe_utils.py:1192): the same product by torch,
+        # operands cast to the router dtype, gradients cast back by autograd.
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
+def _replaced(config, **fields):
+    config = copy(config)  # shallow, as SharedExpertMLP copies it (shared_experts.py:46)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return config
+
+
+class PolicySequentialMLP(SequentialMLP):
+    """megatron's SequentialMLP whose experts' linears take the policy's formats: the layer's
+    from the spec, and `expert_formats` ({global expert: {"linear_fc1": (formats, configs)}}) for
+    the experts an override gives other formats."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, *,
+                 expert_formats: dict[int, dict[str, tuple[PassFormats, object]]], **kwargs):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection,
+                         **kwargs)
+        offset = get_pg_rank(self.ep_group) * num_local_experts
+        for local, expert in enumerate(self.local_experts):
+            for linear, (formats, configs) in expert_formats.get(offset + local, {}).items():
+                getattr(expert, linear).set_formats(formats, configs)
+
+
+def local_expert_module(name: str, num_local_experts: int, ep_rank: int) -> str | None:
+    """The module path inside an MoE layer of policy linear `name` on expert-parallel rank
+    `ep_rank` (global expert index -> local index), or None if another rank holds that expert."""
+    prefix = "mlp.experts.local_experts."
+    if not name.startswith(prefix):
+        return name  # the shared expert: every rank holds it
+    expert, rest = name[len(prefix):].split(".", 1)
+    local = int(expert) - ep_rank * num_local_experts
+    if not 0 <= local < num_local_experts:
+        return None
+    return f"{prefix}{local}.{rest}"
+
+
+def te_moe_refusal(cfg: ModelConfig) -> str | None:
+    """Why the TE spec cannot build this model's MoE layers (None without any)."""
+    if cfg.moe is None:
+        return None
+    return ("model.pattern has MoE layers ('E'), which the TE spec does not build yet: its "
+            "experts need TEGroupedMLP with TE's grouped NVFP4 GEMM (TransformerEngine #2971) "
+            "and per-expert token padding for quantization, not wired or verified here; use "
+            "model.spec=portable (emulated GEMMs, SequentialMLP experts)")
