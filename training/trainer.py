@@ -173,7 +173,8 @@ class Trainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if "input_amax" in state:  # checkpoints written before it existed start an empty window
             self.precision.input_amax.load_state_dict(state["input_amax"])
-        self.precision.load_state_dict(state.get("precision"))  # absent before issue 40
+        # checkpoints written before the adaptive precision have none: the policy's map
+        self.precision.load_state_dict(state.get("precision"))
         self.downstream.load_state_dict(state.get("evaluation"))
 
     @property
