@@ -70,6 +70,12 @@ def test_the_report_states_the_runs(fake_ablation_runs, tmp_path):
     assert "8 steps x 8 sequences x 128 tokens = 8,192 tokens per run" in readme
     assert "(2 steps x 1,024 tokens," in readme  # the last quarter of 8 steps
     assert "### Downstream scores" not in readme  # no run evaluated downstream tasks
+    # claims whose configs did not both run are left out, and counted; the rebuild command
+    # names the study's own directories
+    assert "removing RHT hurts" not in readme and "| NVFP4 trails BF16 |" in readme
+    assert "more claims compare configs this study did not run" in readme
+    assert (f"--report-only --runs-dir {fake_ablation_runs} --out {out}   # this report, "
+            f"from {fake_ablation_runs}/") in readme
     assert "python -m studies.ablations --steps 8\n" in readme
     assert "Wall time: 10.0 min over 1 session(s) (2026-12-01T10:00:00Z, 2 job(s) x 1 thread(s)" in readme
     res = json.loads((out / "results.json").read_text())
