@@ -33,6 +33,7 @@ SR_DRAWS = "emulation/sr_draws"
 SSD_SCAN = "mamba/ssd_scan"
 CONVERSIONS = "gemm/bf16<->fp32 conversions"
 FP32_GEMMS = "gemm/fp32 on bf16 values"
+TELEMETRY = "emulation/underflow telemetry"
 
 # The GEMM operands each format's ops class quantizes (nvfp4_recipe/operands.py).
 OPERAND_ROLES = ("weight_fprop", "activation", "weight_dgrad", "grad_dgrad", "grad_wgrad",
@@ -58,12 +59,15 @@ def _ops_class_parts() -> list[Part]:
 def step_parts() -> list[Part]:
     """What the step profile times: the emulated linears' quantizers (every GEMM operand of every
     format), their stochastic-rounding draws, the Wgrad transposes with the RHT, the emulated
-    GEMMs; the Mamba scan (forward; its backward is autograd's); where BF16 GEMMs compute in
+    GEMMs, the underflow telemetry's sampling (its Wgrad sources' transposes are the
+    transposes' time); the Mamba scan (forward; its backward is autograd's); where BF16 GEMMs compute in
     FP32, those GEMMs and their conversions."""
     return _ops_class_parts() + [
         Part("nvfp4_recipe.formats", "draw_random_bytes", SR_DRAWS),
         Part("nvfp4_recipe.operands", "transpose_padded", WGRAD_TRANSPOSE),
         Part("nvfp4_recipe.linear", "emulated_gemm", GEMM),
+        Part("nvfp4_recipe.telemetry.OperandTelemetry", "observe", TELEMETRY),
+        Part("nvfp4_recipe.telemetry.OperandTelemetry", "observe_wgrad", TELEMETRY),
         Part("model.ssd", "ssd_chunk_scan", SSD_SCAN),
         Part("nvfp4_recipe.compute", "_gemm_in_fp32", FP32_GEMMS),
         Part("nvfp4_recipe.compute", "_up_all", CONVERSIONS),

@@ -10,7 +10,8 @@ caches, forward and backward of each micro-batch, gradient sync and clipping, op
 Two measurements, every case interleaved with the others round by round (medians of `repeats`
 rounds of `steps` steps), so load changes hit all cases alike:
 - variants: BF16; NVFP4 as configured; and NVFP4 with one component off at a time (stochastic
-  rounding, RHT, 16x16 weight tiles): each difference is what that component costs;
+  rounding, RHT, 16x16 weight tiles): each difference is what that component costs; NVFP4 with
+  the underflow telemetry on (`nvfp4-telemetry`, not a default variant);
 - parts: wall time inside the functions that do each part (benchmarks/part_timer.py: hooks
   installed for the profile only; the innermost part owns the time): the emulated linears'
   quantizers, their SR draws, the Wgrad transposes with the RHT, the emulated GEMMs (forward and
@@ -38,6 +39,7 @@ from model.config import ModelConfig
 from model.recompute import RecomputeConfig
 from nvfp4_recipe.compute import GEMM_COMPUTE, FP32Gemms
 from nvfp4_recipe.policy import PrecisionConfig
+from nvfp4_recipe.telemetry import ratios
 from training.config import TrainerConfig
 from training.ddp_optimizer import PARAMS_DTYPE, build_data_parallel_model
 from training.distributed import init_distributed, shutdown
@@ -52,6 +54,10 @@ VARIANTS = {  # name -> (format, PrecisionConfig field overrides, trainer.recomp
     "nvfp4-no-sr": ("nvfp4", {"stochastic_rounding": False}, "none"),
     "nvfp4-no-rht": ("nvfp4", {"rht": False}, "none"),
     "nvfp4-1x16-weights": ("nvfp4", {"weight_2d": False}, "none"),
+    # NVFP4 with the underflow telemetry measured at every step (precision.telemetry.rows at its
+    # default), and collected as the precision controller collects it: at the default cadence
+    # (precision.telemetry.every) a run pays 1/every of the difference to nvfp4
+    "nvfp4-telemetry": ("nvfp4", {}, "none"),
     "bf16-recompute-selective": ("bf16", {}, "selective"),
     "bf16-recompute-full": ("bf16", {}, "full"),
 }
@@ -80,6 +86,8 @@ def _demo_setup(variant: str, ctx, hidden_size: int | None):
     precision = dataclasses.replace(PrecisionConfig(name=fmt, format=fmt), **overrides)
     built = build_model(cfg, precision, vocab_size=cfg.vocab_size, backend="emulated",
                         params_dtype=PARAMS_DTYPE, recompute=RecomputeConfig(recompute))
+    if variant == "nvfp4-telemetry":  # what the controller sets on a telemetry step
+        built.runtime_state.telemetry_rows = precision.telemetry.rows
     model, optimizer = build_data_parallel_model(built.module, TrainerConfig(), ctx)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
@@ -106,6 +114,11 @@ def _step(linears, model, optimizer, batches, hidden, ctx, gemm, timer: PartTime
     for held in linears:  # what the precision controller does before each step
         held.linear.refresh_weight_cache()
     run_micro_batches(model, batches, ctx, (256, 4, hidden), gemm=gemm)
+    with timer.region("step/telemetry collection"):  # the controller's after_step: one sync
+        measured = [ratios(counts) for held in linears
+                    for counts in held.linear.take_telemetry().values()]
+        if measured:
+            torch.stack(measured).tolist()
     with timer.region("step/grad_clip"):
         optimizer.prepare_grads()
         optimizer.clip_grad_norm(1.0)

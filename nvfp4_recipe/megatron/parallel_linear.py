@@ -24,7 +24,8 @@ from megatron.core.tensor_parallel.mappings import (
 
 from nvfp4_recipe.diagnostics import quantization_error_tensors
 from nvfp4_recipe.config import PassConfigs
-from nvfp4_recipe.linear import WeightOperandCache, fold_input_amax, pass_configs, quantized_linear
+from nvfp4_recipe.linear import (WeightOperandCache, _in_backward, fold_input_amax, pass_configs,
+                                 quantized_linear)
 from nvfp4_recipe.passes import PassFormats
 from nvfp4_recipe.policy import RuntimePrecisionState
 from nvfp4_recipe.telemetry import OperandTelemetry
@@ -57,8 +58,10 @@ class _PrecisionLinearMixin:
         self.is_first_microbatch: Optional[bool] = None
         self.weight_cache = WeightOperandCache()
         # The underflow counts of this linear's GEMMs while runtime_state.telemetry_rows is set
-        # (nvfp4_recipe/telemetry.py), taken by the controller once per window.
+        # (nvfp4_recipe/telemetry.py), taken by the controller once per window: those of the
+        # step's first forward and its backward (a sample of the step, at a micro-batch's cost).
         self.telemetry = OperandTelemetry(0)
+        self.telemetry_measured = False
 
     # -- the PrecisionLinear protocol (nvfp4_recipe/linear_protocol.py) --------------------
     def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -73,6 +76,7 @@ class _PrecisionLinearMixin:
         self.is_first_microbatch = True
 
     def take_telemetry(self) -> dict[str, torch.Tensor]:
+        self.telemetry_measured = False
         return self.telemetry.take()
 
     def set_formats(self, formats: PassFormats, gemm_config: PassConfigs) -> None:
@@ -103,11 +107,14 @@ class _PrecisionLinearMixin:
             if self.runtime_state.collect_diagnostics:
                 self._record_diagnostics(x_c, w_c, config.fprop)
             rows = self.runtime_state.telemetry_rows
-            if rows:
-                self.telemetry.rows = rows
+            # A recompute's forward (inside the backward) carries the telemetry to the backward
+            # of the graph it rebuilds; its own Fprop was measured already (linear.py).
+            measure = bool(rows) and (not self.telemetry_measured or _in_backward())
+            if measure:
+                self.telemetry.rows, self.telemetry_measured = rows, True
             out = quantized_linear(x_c, w_c, None, config, weight_cache=self._weight_cache(),
                                    input_amax=self.input_amax,
-                                   telemetry=self.telemetry if rows else None)
+                                   telemetry=self.telemetry if measure else None)
             if (self.runtime_state.collect_diagnostics and out.requires_grad
                     and config.dgrad is not None):
                 out.register_hook(lambda g: self._record_gradient(g, config.dgrad))

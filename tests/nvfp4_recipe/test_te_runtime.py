@@ -259,3 +259,80 @@ def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
     fake.is_first_microbatch = False
     trainer.validator.loss()
     assert fake.is_first_microbatch is True
+
+
+def test_a_linear_switched_at_run_time_enters_its_new_recipe_built_once_on_first_use():
+    """The per-forward context of a TE linear reads the runtime state's switched map by the
+    linear's policy name: no autocast of its own while it runs its layer's formats, the recipe of
+    its new formats after a switch (built by the RecipeTable on first use, once), TE's autocast
+    off for BF16; other linears are untouched."""
+    from contextlib import nullcontext
+
+    from nvfp4_recipe.megatron.te_runtime import RecipeTable, te_linear_context
+    from nvfp4_recipe.passes import PassFormats
+
+    made, entered = [], []
+    recipes = RecipeTable({PassFormats("nvfp4"): RECIPE},
+                          lambda formats: made.append(str(formats)) or ("recipe", str(formats)))
+    state = RuntimePrecisionState()
+
+    def context(name):
+        return te_linear_context(PassFormats("nvfp4"), PassFormats("nvfp4"), state, recipes,
+                                 lambda recipe: entered.append(recipe) or nullcontext(),
+                                 lambda: entered.append("off") or nullcontext(), name=name)
+
+    mine, other = context("layers.3.mixer.in_proj"), context("layers.3.mixer.out_proj")
+    for _ in range(2):
+        with mine(), other():
+            pass
+    assert entered == [] and made == []
+    state.linear_formats["layers.3.mixer.in_proj"] = PassFormats("mxfp8/nvfp4/nvfp4")
+    for _ in range(2):
+        with mine(), other():
+            pass
+    assert entered == [("recipe", "mxfp8/nvfp4/nvfp4")] * 2 and made == ["mxfp8/nvfp4/nvfp4"]
+    state.linear_formats["layers.3.mixer.in_proj"] = PassFormats("bf16")
+    entered.clear()
+    with mine():
+        pass
+    assert entered == ["off"]
+
+
+def test_the_controller_switches_a_te_linear_of_a_built_model(parallel_context, monkeypatch):
+    """build_model gives every quantized TE linear a context that reads its formats per
+    forward, so PrecisionController.apply_formats reaches it at the next forward (the portable
+    layers stand in for TE's, as above)."""
+    from contextlib import contextmanager
+
+    from model import build as build_module
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import PrecisionConfig
+    from training.precision import PrecisionController
+
+    entered = []
+
+    @contextmanager
+    def fake_autocast(recipe):
+        entered.append(recipe)
+        yield
+
+    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
+    monkeypatch.setattr(build_module, "build_te_recipe", lambda formats, cfg: ("recipe", str(formats)))
+    monkeypatch.setattr(build_module, "te_layer_spec",
+                        lambda d, model: build_module.portable_layer_spec(
+                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    precision = PrecisionConfig(name="nvfp4", format="nvfp4")
+    built = build_module.build_model(ModelConfig(vocab_size=256), precision, vocab_size=256,
+                                     backend="te")
+    held = {h.name: h.linear for h in built.linears}
+    assert held["layers.2.mixer.in_proj"].switchable
+    assert not held["layers.0.mixer.in_proj"].switchable  # a BF16 layer's: nothing to switch
+    controller = PrecisionController(precision, built, 1, 1)
+    tokens = torch.randint(0, 256, (1, 32))
+    controller.apply_formats({"layers.2.mixer.in_proj": "mxfp8/nvfp4/nvfp4"})
+    entered.clear()
+    built.module(tokens, None, None, labels=tokens)
+    assert entered.count(("recipe", "mxfp8/nvfp4/nvfp4")) == 1
+    assert entered.count(("recipe", "nvfp4")) == sum(d.low_precision for d in built.policy.layers())
+    with pytest.raises(RuntimeError, match="without a run-time format switch"):
+        held["layers.0.mixer.in_proj"].set_formats("nvfp4")
