@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from atomic_files import writer_tag
+from compat import quiet_cpu_fallback_warnings
 from errors import ConfigError, ExitCode, ProjectError
 from training.metrics import read_metrics
 from training.run_reader import RunDirError
@@ -112,8 +113,8 @@ def _plot_heatmap(heat: Heatmap, stat: str, path: Path, marks: list[dict]) -> No
     ax.set_xticklabels([str(s) for s in heat.steps[::every]], fontsize=7)
     ax.set_xlabel("step")
     ax.set_title(f"underflow telemetry: {stat} fraction per GEMM operand")
-    for event in marks:  # a decision: a line before the first column at or after its step
-        after = [i for i, s in enumerate(heat.steps) if s >= event["step"]]
+    for event in marks:  # a decision after step N acts from step N+1: a line after N's column
+        after = [i for i, s in enumerate(heat.steps) if s > event["step"]]
         if after:
             ax.axvline(after[0] - 0.5, color="cyan", linewidth=1)
     fig.colorbar(image, ax=ax, label=f"{stat} fraction")
@@ -138,8 +139,8 @@ def _plot_curve(steps: list[dict], key: str, path: Path, marks: list[dict],
         more = [(r["step"], r[extra]) for r in steps if isinstance(r.get(extra), (int, float))]
         if more:
             ax.plot(*zip(*more), "o-", label=extra, linewidth=1.0, markersize=3)
-    for event in marks:
-        ax.axvline(event["step"], color="tab:red", linewidth=0.8, linestyle="--")
+    for event in marks:  # after its step: the step's own point is the one that triggered it
+        ax.axvline(event["step"] + 0.5, color="tab:red", linewidth=0.8, linestyle="--")
     if marks:
         ax.plot([], [], color="tab:red", linestyle="--", label="precision decision / anomaly")
     ax.set_xlabel("step")
@@ -294,6 +295,7 @@ def write_report(run_dir: Path, out: Path, stat: str) -> dict:
 
 
 def main(argv=None) -> int:
+    quiet_cpu_fallback_warnings()  # megatron's import-time notes (training.precision imports it)
     args = parse_args(argv)
     run_dir = args.run_dir.expanduser()
     try:

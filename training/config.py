@@ -56,6 +56,15 @@ class OnNan(StrEnum):
     skip = "skip"
 
 
+class OnAnomaly(StrEnum):
+    off = "off"
+    replay = "replay"
+
+
+# "continue" is a Python keyword: the functional form names the member by its YAML spelling.
+AnomalyAction = StrEnum("AnomalyAction", [("continue", "continue"), ("stop", "stop")])
+
+
 class CheckpointLayout(StrEnum):
     """megatron's distributed-optimizer checkpoint layouts (training/checkpoint.py)."""
     dp_reshardable = "dp_reshardable"
@@ -152,6 +161,22 @@ class TrainerConfig:
     on_nan: OnNan = OnNan.stop
     # With on_nan=skip: this many skipped steps in a row stop the run (exit code 4).
     max_consecutive_skips: int = field(default=3, metadata=at_least(1))
+    # What an anomalous step does (training/forensics.py, docs/precision-forensics.md): off, or
+    # replay: at a non-finite loss / grad norm, or a grad norm more than anomaly_zscore standard
+    # deviations above the mean of the previous anomaly_window finite ones, the trainer bisects
+    # the step in process (its GEMMs switched to BF16 in sets, from the step's own weights, batch
+    # and RNG) before the optimizer update, writes run.dir/replay/step-N/replay.json and an
+    # `anomaly` event, then saves a checkpoint after the step and continues or stops
+    # (anomaly_action; stop exits with code 4). With on_nan=stop a non-finite step still stops
+    # the run after the bisect, without a checkpoint.
+    on_anomaly: OnAnomaly = OnAnomaly.off
+    anomaly_window: int = field(default=20, metadata=within(2, 10_000))
+    anomaly_zscore: float = field(default=6.0, metadata=above(0))
+    anomaly_action: AnomalyAction = AnomalyAction["continue"]
+    # The bisect's thresholds: relative loss / grad-norm deviation from the all-BF16 replay of
+    # the step beyond which a set of low-precision GEMMs explains the anomaly.
+    anomaly_loss_threshold: float = field(default=0.02, metadata=above(0))
+    anomaly_grad_norm_threshold: float = field(default=0.25, metadata=above(0))
     # Every N steps: each layer's gradient norm and non-finite fraction -> metrics.jsonl/W&B
     # grad/<layer>/..., and a console line (0 = off). A non-finite step is always reported with
     # the first layer (in backward order) whose gradients went non-finite.

@@ -22,6 +22,7 @@ from data.demo import ensure_demo_corpus
 from data.tokenizer import load_tokenizer_spec
 from model.build import build_model, choose_backend, padded_vocab_size
 from model.hf import load_hf_weights
+from model.moe import expert_load_line, take_expert_load
 from model.specs import linear_shapes
 
 from . import checkpoint as ckpt
@@ -30,8 +31,11 @@ from .cadence import Every
 from .config import TrainConfig, recompute_config
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
-from .distributed import ParallelContext, step_loss_and_stop, stochastic_rounding_seed
+from .distributed import (ParallelContext, data_parallel_group, step_loss_and_stop,
+                          stochastic_rounding_seed)
 from .downstream import DownstreamEvaluator, run_tokenizer
+from .forensics import (AnomalyWatch, Thresholds, bisect, bisect_table, capture_rng,
+                        code_version, write_replay_json)
 from .grad_health import GradHealth
 from .init_from import is_run_dir, load_run_weights
 from .lr_schedule import WSDScheduler
@@ -122,6 +126,14 @@ class Trainer:
         self.skipped_at_last_save = 0  # skipped_steps when the previous checkpoint was written
         self.wandb_id: Optional[str] = None
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
+        # What trained this run's checkpoints, in their trainer.pt: a replay (tools/replay.py)
+        # rebuilds the step from this config and warns when the code differs.
+        self.provenance = {"code": code_version(),
+                           "config": OmegaConf.to_yaml(OmegaConf.structured(cfg))}
+        # trainer.on_anomaly=replay: the trigger, and whether the last anomaly asked to stop.
+        self.anomaly = (AnomalyWatch(tr.anomaly_window, tr.anomaly_zscore)
+                        if tr.on_anomaly == "replay" else None)
+        self.anomaly_at: Optional[int] = None  # the step of an anomaly not yet checkpointed
         # Each periodic action has one cadence (training/cadence.py), held by the part of the
         # loop that acts: the validator, the downstream evaluator, the gradient health, the
         # precision controller's diagnostics; the trainer's own two, checkpoints and the status line.
@@ -162,7 +174,8 @@ class Trainer:
                 "input_amax": self.precision.input_amax.state_dict(),
                 # the adaptive fallback's map and windows (training/precision.py)
                 "precision": self.precision.state_dict(),
-                "evaluation": self.downstream.state_dict()}
+                "evaluation": self.downstream.state_dict(), "provenance": self.provenance,
+                "anomaly": self.anomaly.state_dict() if self.anomaly else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -176,6 +189,8 @@ class Trainer:
         # checkpoints written before the adaptive precision have none: the policy's map
         self.precision.load_state_dict(state.get("precision"))
         self.downstream.load_state_dict(state.get("evaluation"))
+        if self.anomaly is not None:  # its window, so a resumed run triggers as one that was not
+            self.anomaly.load_state_dict(state.get("anomaly"))
 
     @property
     def consumed_tokens(self) -> int:
@@ -226,6 +241,10 @@ class Trainer:
             if sink is not None:
                 sink.event(self.step, name, **fields)
         self.grad_health.begin_step()
+        # on_anomaly=replay re-runs this step from the RNG state its rounding draws from, under
+        # the precision map it ran with (an adaptive decision after it switches linears)
+        if self.anomaly is not None:
+            rng, step_map = capture_rng(self.ctx), self.precision.current_formats()
         # Forward, backward and the data-parallel gradient sync (megatron's finalize_model_grads).
         total = run_micro_batches(self.model, micro_batches, self.ctx, self.activation_shape,
                                   gemm=self.gemm)
@@ -245,6 +264,10 @@ class Trainer:
         grad_norm = float(self.optimizer.clip_grad_norm(clip) if clip > 0
                           else self.optimizer.get_grad_norm())
         lr = self.optimizer.param_groups[0]["lr"]
+        if self.anomaly is not None:  # before the update: the weights are the step's own
+            why = self.anomaly.check(loss, grad_norm)
+            if why is not None:
+                self._on_anomaly(why, micro_batches, rng, step_map, sink)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             # (Collected after clipping, its non-finite counts hold; its norms may not.)
             stats = health or self.grad_health.collect()
@@ -293,6 +316,28 @@ class Trainer:
         return (f"first non-finite gradient in backward order: {first}"
                 + ("; the loss itself is not finite: the forward pass went non-finite"
                    if not math.isfinite(loss) else ""))
+
+    def _on_anomaly(self, why: str, micro_batches: list[dict], rng: dict, step_map: dict,
+                    sink: Optional[MetricsSink]) -> None:
+        """trainer.on_anomaly=replay: bisect this step's precision in process, from its weights
+        (not yet updated), batch and RNG state; the bisect ends by computing the step as it ran
+        once more, so the update that follows is the one the step would have made."""
+        tr, step = self.cfg.trainer, self.step + 1
+        log.warning(f"anomaly at step {step}: {why}; bisecting its precision "
+                    "(trainer.on_anomaly=replay)")
+        found = bisect(self, micro_batches, rng, step, step_map,
+                       Thresholds(tr.anomaly_loss_threshold, tr.anomaly_grad_norm_threshold),
+                       log=log.info)
+        path = self.run_dir / "replay" / f"step-{step}" / "replay.json"
+        if self.ctx.is_main:
+            write_replay_json(path, {"run_dir": str(self.run_dir), "step": step,
+                                     "trigger": why, "in_process": True,
+                                     "bisect": found.to_json()})
+            log.info(render(bisect_table(found)))
+        if sink is not None:
+            sink.event(step, "anomaly", trigger=why, action=str(tr.anomaly_action),
+                       culprits=[f"{m}/{p}" for m, p in found.culprits], replay=str(path))
+        self.anomaly_at = step
 
     def _downstream_lm(self):
         """lm-eval's model over this trainer's model (training/lm_eval_model.py)."""
@@ -347,9 +392,16 @@ class Trainer:
                 self._report(metrics, result,
                              eta=elapsed / (self.step - start_step) * (tr.max_steps - self.step))
                 sink.log(self.step, metrics)
-                if self._after_step(sink, result.stop):
+                anomaly, self.anomaly_at = self.anomaly_at, None
+                if self._after_step(sink, result.stop, anomaly is not None):
                     sink.event(self.step, "preempted", signal=self.stop.name or "peer")
                     return ExitCode.PREEMPTED
+                if anomaly is not None and tr.anomaly_action == "stop":
+                    log.error(f"error: stopped after the anomaly at step {anomaly} "
+                              "(trainer.anomaly_action=stop); its bisect is in "
+                              f"{self.run_dir / 'replay' / f'step-{anomaly}'}, and "
+                              f"{ckpt.step_dir_name(anomaly)} resumes the run")
+                    return ExitCode.DIVERGED
         finally:
             sink.close()
         return ExitCode.OK
@@ -358,7 +410,9 @@ class Trainer:
         return {"consumed_tokens": self.consumed_tokens, "loss": result.loss, "lr": result.lr,
                 "grad_norm": result.grad_norm, "tokens_per_sec": self.tokens_per_step / seconds,
                 "skipped_steps": self.skipped_steps, **self.data.train.metrics(),
-                **result.health, **result.precision}
+                **result.health, **result.precision,
+                # MoE layers: tokens per expert, imbalance, aux loss, expert bias (model/moe.py)
+                **take_expert_load(self.core, self.micro_batches, data_parallel_group())}
 
     def _report(self, metrics: dict, result: StepResult, eta: float) -> None:
         """The console: one status line per `trainer.log_every` steps and with each validation,
@@ -371,13 +425,15 @@ class Trainer:
             log.info(status_line(self.step, self.cfg.trainer.max_steps, metrics, eta))
         if "val_loss" in metrics:
             log.info(data_line(metrics))
+            if expert_load_line(metrics):
+                log.info(expert_load_line(metrics))
 
-    def _after_step(self, sink: MetricsSink, stop: bool) -> bool:
+    def _after_step(self, sink: MetricsSink, stop: bool, anomaly: bool = False) -> bool:
         """Checkpoint and downstream evaluation when due, or when a stop signal came (`stop`:
-        agreed in the step's loss reduction); True to stop (preempted: everything up to this
-        step is in the checkpoint)."""
+        agreed in the step's loss reduction) or on_anomaly bisected the step (`anomaly`); True
+        to stop (preempted: everything up to this step is in the checkpoint)."""
         evaluate = self.downstream.begin_if_due(self.step)  # its step's checkpoint comes first
-        if stop or evaluate or self.save_due(self.step):
+        if stop or evaluate or anomaly or self.save_due(self.step):
             self.save()
             # a signal that came during this save: stop now, not after another step and a
             # second checkpoint (the grace period is short at scale)
