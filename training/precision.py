@@ -4,26 +4,32 @@ evaluation, so that the trainer knows nothing about formats.
 - `before_step`: the late switch to BF16 once its share of the run's tokens is consumed (the
   `RuntimePrecisionState` names the passes that run in BF16 from then on, and every linear
   applies that to its own per-pass formats at each call), the refresh of the quantized-weight
-  caches, and the quantization diagnostics switched on when due.
+  caches, and the quantization diagnostics and the underflow telemetry switched on when due.
 - `after_step`: the step's input amaxes into the recorder's window; the diagnostics switched off
-  and collected, as `quant/<layer>/<role>/<stat>` metrics.
+  and collected, as `quant/<layer>/<role>/<stat>` metrics (this rank's); the telemetry collected
+  as `underflow/<linear>/<pass>/<operand>/<stat>` (every rank's, MAX-reduced: one all-reduce and
+  one host sync per window).
+- `decide`: `precision.adaptive`'s fallback on that window (`fallback_decisions`, a pure function
+  of the reduced statistics, so every rank decides alike), applied from the next step on through
+  `apply_formats`, returned as `precision_fallback` events.
 - `before_evaluation`: the caches refreshed, so evaluation sees the last step's weights.
 
 When to switch is a pure function (`switch_due`); when to measure, the cadence its caller gives
-(`diagnostics_due`: the trainer's `Every(precision.diagnostics_every)`). Nothing else needs
-checkpointing than the input-amax window (trainer.pt): the switch is a function of the consumed
-tokens, decided again at the first step after a resume (which records the `switch_to_bf16`
-event again).
+(`diagnostics_due`, `telemetry_due`: the trainer's `Every(precision.diagnostics_every)` and
+`Every(precision.telemetry.every)`). Checkpointed (trainer.pt): the input-amax window, and the
+fallback's map and counted windows (`state_dict`), so a resumed run decides as an uninterrupted
+one. The late switch is a function of the consumed tokens, decided again at the first step after
+a resume (which records the `switch_to_bf16` event again).
 
 Why here, in `training`, and not in `nvfp4_recipe`: this is the run's per-step policy (its
 cadence, its events in metrics.jsonl, its state in checkpoints), over the linears of one built
 model (`model.build.BuiltModel.linears`: each with its policy name, format, and the
-`nvfp4_recipe.linear_protocol.PrecisionLinear` it is steered through). What extends it lives at
-this layer too: a per-layer fallback NVFP4 -> MXFP8 -> BF16 from underflow statistics reduced
-over the ranks, applied at step boundaries and recorded in checkpoints, needs the run's process
-groups, its checkpoint and its metrics; MoE adds linears to the builder's list. `nvfp4_recipe`
-keeps the numerics, the policy (which format each linear gets), the protocol and its two
-implementations (emulated and TE), and the input-amax recorder the serving export reads.
+`nvfp4_recipe.linear_protocol.PrecisionLinear` it is steered through): the per-layer fallback
+NVFP4 -> MXFP8 -> BF16 from underflow statistics reduced over the ranks, applied at step
+boundaries and recorded in checkpoints, needs the run's process groups, its checkpoint and its
+metrics. `nvfp4_recipe` keeps the numerics (the telemetry's counts: nvfp4_recipe/telemetry.py),
+the policy (which format each linear gets), the protocol and its two implementations (emulated
+and TE), and the input-amax recorder the serving export reads.
 """
 
 from __future__ import annotations
