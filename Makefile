@@ -22,14 +22,21 @@ train: setup  ## the CPU demo: ~6M-parameter hybrid, 3-6 min of training on 2 co
 # Two tiers, by directory (README "Tests"): tests/system holds every test that starts processes
 # (train.py, torchrun, a module's command line, gloo ranks) or trains runs of several steps, and
 # marks them `slow`; the rest is the unit tier. tests/test_suite_tiers.py keeps them apart.
-test: setup  ## the CI suite: both tiers in one session, the unit tier first
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# TEST_WORKERS=N: N pytest-xdist workers run the files, each file whole on one worker (--dist
+# loadfile: a module's fixtures are built once). Most system tests wait on process start-up, fsync
+# and collectives, leaving a core idle. 0 (the default until measured on a clean clone) runs the
+# session in this process, serially.
+TEST_WORKERS ?= 0
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+test: setup  ## the CI suite: both tiers in one session, the unit tier first; the 25 slowest tests
+	$(PYTEST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup  ## the unit tier (~3 min on 2 cores); -m "not slow" selects the same tests
-	$(PY) -m pytest -q --ignore=tests/system $(PYTEST_ARGS)
+	$(PYTEST) --ignore=tests/system $(PYTEST_ARGS)
 
 test-system: setup  ## the system tier alone
-	$(PY) -m pytest -q tests/system $(PYTEST_ARGS)
+	$(PYTEST) tests/system $(PYTEST_ARGS)
 
 bench: setup  ## the hardware bench (benchmarks/hardware.py): GEMMs at 12B shapes, training steps
 	$(PY) -m benchmarks.hardware $(ARGS)
