@@ -178,11 +178,16 @@ def _replays(run_dir: Path) -> list[dict]:
 
 
 def _replay_html(replay: dict, run_dir: Path) -> str:
-    verdict = ("bit-identical to the log" if replay.get("bit_identical")
-               else "not logged" if replay.get("logged") is None
-               else f"differs from the log by {replay.get('difference')}")
-    parts = [f"<h3>replay of step {replay['step']} ({html.escape(str(replay['path'].relative_to(run_dir)))})</h3>",
-             f"<p>from {html.escape(replay.get('checkpoint', '?'))}: {html.escape(verdict)}</p>"]
+    where = html.escape(str(replay["path"].relative_to(run_dir)))
+    if replay.get("in_process"):  # trainer.on_anomaly=replay: bisected in the loop
+        verdict = f"bisected in the loop (trainer.on_anomaly): {replay.get('trigger')}"
+    else:
+        verdict = (f"from {replay.get('checkpoint')}: "
+                   + ("bit-identical to the log" if replay.get("bit_identical")
+                      else "the run logged no record of this step" if replay.get("logged") is None
+                      else f"differs from the log by {replay.get('difference')}"))
+    parts = [f"<h3>replay of step {replay['step']} ({where})</h3>",
+             f"<p>{html.escape(verdict)}</p>"]
     bisect = replay.get("bisect")
     if bisect:
         parts.append(f"<p>bisect: anomaly {html.escape(str(bisect.get('anomaly')))}; "

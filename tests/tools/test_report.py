@@ -72,11 +72,37 @@ def test_report_writes_html_and_figures_atomically(tmp_path, capsys):
     assert "highest: 0.55 at layers.2.mixer.in_proj/fprop/x, step 6" in page
     assert "<td>precision_fallback</td>" in page and "to=mxfp8" in page
     assert {p: p.read_bytes() for p in run.iterdir() if p.name != "report"} == before
+    assert "Replays" not in page
     # a second report replaces the first whole; no temporaries are left beside it
     (out / "stale.txt").write_text("old")
     assert report.main([str(run), "--out", str(out)]) == 0
     assert not (out / "stale.txt").exists()
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl", "report"]
+
+
+def test_report_lists_the_replays_and_their_bisects(tmp_path):
+    """replay.json files under RUN/replay/ (tools.replay's and on_anomaly's) are summarised."""
+    run = tmp_path / "run"
+    _write_run(run)
+    for step, record in (
+            (4, {"step": 4, "checkpoint": "step_0000003", "bit_identical": True,
+                 "logged": {"loss": 7.6}, "bisect": {
+                     "anomaly": "grad_norm deviates 0.0235 (threshold 0.015)", "trials_run": 9,
+                     "note": "", "ranking": [{"rank": 1, "module": "layers.2.mixer.in_proj",
+                                              "passes": ["fprop"], "severity_alone": 1.63,
+                                              "severity_without": 0.0}]}}),
+            (5, {"step": 5, "in_process": True, "trigger": "non-finite (loss nan, grad norm nan)",
+                 "bisect": {"anomaly": "non-finite", "trials_run": 2, "ranking": [],
+                            "note": "the all-BF16 replay is non-finite too"}})):
+        (run / "replay" / f"step-{step}").mkdir(parents=True)
+        (run / "replay" / f"step-{step}" / "replay.json").write_text(json.dumps(record))
+    assert report.main([str(run)]) == 0
+    page = (run / "report" / "index.html").read_text()
+    assert "replay of step 4 (replay/step-4/replay.json)" in page
+    assert "from step_0000003: bit-identical to the log" in page
+    assert "<td>1</td><td>layers.2.mixer.in_proj</td><td>fprop</td><td>1.63</td>" in page
+    assert "bisected in the loop (trainer.on_anomaly): non-finite" in page
+    assert "the all-BF16 replay is non-finite too" in page
 
 
 def test_report_refusals(tmp_path, capsys):
