@@ -130,10 +130,20 @@ FIXED_HF_FIELDS = {
 }
 
 
+def refuse_moe(cfg: ModelConfig) -> None:
+    """HFError for a model with MoE layers: the export and import map no expert tensors yet
+    (transformers' NemotronH keeps them as mixer.experts.up_proj / down_proj [E, out, in],
+    mixer.gate.weight and e_score_correction_bias, mixer.shared_experts.*)."""
+    if cfg.moe is not None:
+        raise HFError(f"model.pattern={cfg.pattern!r} has MoE layers ('E'): the Hugging Face "
+                      "export and import do not map expert weights yet")
+
+
 def hf_config_fields(cfg: ModelConfig, vocab_size: int, *, eos_token_id: Optional[int],
                      bos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
                      dtype: str = "bfloat16") -> dict:
     """The `NemotronHConfig` fields of this model (what config.json says)."""
+    refuse_moe(cfg)
     d_inner = _d_inner(cfg)
     return {
         "vocab_size": vocab_size,
@@ -262,6 +272,7 @@ def check_init_from(cfg: ModelConfig, vocab_size: Optional[int] = None) -> dict:
     once the data's tokenizer is known, as model.vocab_size may be null). Raises HFError naming
     every mismatching field. Returns the config.json fields.
     """
+    refuse_moe(cfg)
     hf_dir = Path(cfg.init_from).expanduser()
     if (hf_dir / "config.yaml").is_file() and not (hf_dir / "config.json").exists():
         return {}  # a train.py run directory: training/init_from.py checks and reads it

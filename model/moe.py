@@ -65,9 +65,26 @@ def moe_transformer_fields(cfg: ModelConfig, cuda: bool) -> dict:
 
 
 class PortableTopKRouter(TopKRouter):
-    """megatron's TopKRouter with its expert-bias buffers on the device of its weight."""
+    """megatron's TopKRouter with its expert-bias buffers on the device of its weight, counting
+    the tokens it routes to each expert in training forwards (`load_seen`, for the expert-load
+    metrics: `take_expert_load`)."""
 
     def __init__(self, config, pg_collection=None) -> None:
+        self._init_router(config, pg_collection)
+        # Counted where megatron counts for the bias update (router.py:532-543): forwards with
+        # gradients, so an evaluation or the no-grad first pass of a recomputed chunk adds none.
+        self.register_buffer("load_seen", torch.zeros(self.config.num_moe_experts,
+                                                      device=self.weight.device),
+                             persistent=False)
+
+    def routing(self, logits: torch.Tensor, *args, **kwargs):
+        probs, routing_map = super().routing(logits, *args, **kwargs)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.load_seen += routing_map.sum(dim=0)
+        return probs, routing_map
+
+    def _init_router(self, config, pg_collection) -> None:
         with_bias = config.moe_router_enable_expert_bias
         if with_bias:  # built without, then the same two buffers as router.py:163-179
             config = _replaced(config, moe_router_enable_expert_bias=False)
@@ -103,6 +120,78 @@ def _replaced(config, **fields):
     return config
 
 
+def moe_routers(module: torch.nn.Module) -> list[tuple[int, PortableTopKRouter]]:
+    """(pattern-layer index, router) of this rank's MoE layers, in pattern order."""
+    return [(router.layer_number - 1, router) for router in module.modules()
+            if isinstance(router, PortableTopKRouter)]
+
+
+def take_expert_load(module: torch.nn.Module, micro_batches: int = 1,
+                     group=None) -> dict[str, float]:
+    """The expert-load metrics since the last call, per MoE layer i (pattern index), and resets
+    the counts: moe/<i>/max_over_mean and min_over_mean (tokens of the busiest / idlest expert
+    over the mean; 1 is perfect balance), moe/<i>/expert_bias_min|max (the aux-loss-free bias
+    after its updates), moe/<i>/aux_loss (the layer's unscaled load-balancing loss, mean over the
+    step's `micro_batches`, from megatron's tracker), and with at most PER_EXPERT_MAX experts
+    moe/<i>/tokens/<e> per expert. The token counts are summed over `group` (the data-parallel
+    group: every rank must call this). Empty without MoE layers."""
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+
+    routers = moe_routers(module)
+    if not routers:
+        return {}
+    loads = torch.stack([r.load_seen for _, r in routers]).float()
+    for _, r in routers:
+        r.load_seen.zero_()
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(loads, group=group)
+    tracker = get_moe_layer_wise_logging_tracker()
+    metrics: dict[str, float] = {}
+    loads = loads.cpu()
+    for (i, router), load in zip(routers, loads):
+        mean = load.mean().item()
+        if mean > 0:
+            metrics[f"moe/{i}/max_over_mean"] = load.max().item() / mean
+            metrics[f"moe/{i}/min_over_mean"] = load.min().item() / mean
+        if router.expert_bias is not None:
+            metrics[f"moe/{i}/expert_bias_min"] = router.expert_bias.min().item()
+            metrics[f"moe/{i}/expert_bias_max"] = router.expert_bias.max().item()
+        for name, entry in tracker.items():
+            if name.endswith("load_balancing_loss") and entry["values"].numel() > i:
+                metrics[f"moe/{i}/aux_loss"] = entry["values"][i].item() / micro_batches
+        if load.numel() <= PER_EXPERT_MAX:
+            metrics.update({f"moe/{i}/tokens/{e}": int(n) for e, n in enumerate(load.tolist())})
+    clear_aux_losses_tracker()
+    return metrics
+
+
+# Experts per layer up to which every expert's token count is a metric of its own (the demo's 8;
+# Nemotron 3 Nano's 128 x 23 layers would be ~3,000 numbers a step: its summaries only).
+PER_EXPERT_MAX = 16
+
+
+def expert_load_line(metrics: dict[str, float]) -> str:
+    """The console's expert-load line: the most imbalanced MoE layer, and the spread over
+    layers ("" without MoE metrics)."""
+    ratios = {int(k.split("/")[1]): v for k, v in metrics.items()
+              if k.startswith("moe/") and k.endswith("/max_over_mean")}
+    if not ratios:
+        return ""
+    worst = max(ratios, key=ratios.get)
+    parts = [f"expert load: max/mean {ratios[worst]:.2f} at layer {worst} "
+             f"(min/mean {metrics.get(f'moe/{worst}/min_over_mean', 0.0):.2f})",
+             f"layers {len(ratios)}, max/mean {min(ratios.values()):.2f}-"
+             f"{max(ratios.values()):.2f}"]
+    aux = [v for k, v in metrics.items() if k.startswith("moe/") and k.endswith("/aux_loss")]
+    if aux:
+        parts.append(f"aux loss mean {sum(aux) / len(aux):.4g}")
+    bias = [v for k, v in metrics.items() if k.startswith("moe/") and "/expert_bias_" in k]
+    if bias:
+        parts.append(f"expert bias {min(bias):+.2e}..{max(bias):+.2e}")
+    return " | ".join(parts)
+
+
 class PolicySequentialMLP(SequentialMLP):
     """megatron's SequentialMLP whose experts' linears take the policy's formats: the layer's
     from the spec, and `expert_formats` ({global expert: {"linear_fc1": (formats, configs)}}) for
@@ -116,6 +205,25 @@ class PolicySequentialMLP(SequentialMLP):
         for local, expert in enumerate(self.local_experts):
             for linear, (formats, configs) in expert_formats.get(offset + local, {}).items():
                 getattr(expert, linear).set_formats(formats, configs)
+
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """megatron's forward (experts.py:876-928 in mc 0.16.1, the same signature in
+        core_v0.19.0), except that an expert the router sent no token to is not called: the
+        emulated low-precision GEMMs refuse a zero-row operand (NVFP4's Wgrad quantizes along the
+        tokens), and such an expert adds nothing to the output nor to its weights' gradients (as
+        a zero-size group of a grouped GEMM)."""
+        counts = [int(n) for n in tokens_per_expert.tolist()]
+        if all(counts) or self.config.moe_apply_probs_on_input:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                   permuted_probs)
+        outputs = []
+        for expert, tokens, probs in zip(self.local_experts,
+                                         torch.split(permuted_local_hidden_states, counts),
+                                         torch.split(permuted_probs, counts)):
+            outputs.append(expert(tokens, probs)[0] if tokens.shape[0] else tokens)
+        return torch.cat(outputs), None
 
 
 def local_expert_module(name: str, num_local_experts: int, ep_rank: int) -> str | None:

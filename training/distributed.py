@@ -135,6 +135,14 @@ def stochastic_rounding_seed(seed: int, ctx: ParallelContext) -> int:
     return seed + 1 + 1000 * index
 
 
+def data_parallel_group():
+    """megatron's data-parallel group (None before the parallel state is set up)."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_data_parallel_group()
+            if parallel_state.model_parallel_is_initialized() else None)
+
+
 def mean_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
     """`t` averaged in place over the data-parallel ranks (a step's or a validation's loss)."""
     from megatron.core import parallel_state

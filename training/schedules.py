@@ -109,7 +109,11 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[dict], ctx: Paralle
     if ctx.device.type == "cuda":
         return _megatron_schedule(model, micro_batches, forward_step, activation_shape,
                                   forward_only)
-    with cpu_sequence_parallel_buffers(config.sequence_parallel, cuda=False), gemm.context():
+    # megatron's first-dim all-gather / reduce-scatter allocate on torch.cuda.current_device()
+    # (tensor_parallel/mappings.py:141): sequence parallelism uses them, and so does the MoE
+    # all-gather token dispatcher over the expert-parallel group (token_dispatcher.py:265)
+    gathers = config.sequence_parallel or config.expert_model_parallel_size > 1
+    with cpu_sequence_parallel_buffers(gathers, cuda=False), gemm.context():
         if ctx.pipeline == 1:
             return _accumulate(model, micro_batches, forward_step, config, forward_only)
         return _gpipe(model, micro_batches, ctx, forward_step, config,

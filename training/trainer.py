@@ -22,6 +22,7 @@ from data.demo import ensure_demo_corpus
 from data.tokenizer import load_tokenizer_spec
 from model.build import build_model, choose_backend, padded_vocab_size
 from model.hf import load_hf_weights
+from model.moe import expert_load_line, take_expert_load
 from model.specs import linear_shapes
 
 from . import checkpoint as ckpt
@@ -30,7 +31,8 @@ from .cadence import Every
 from .config import TrainConfig, recompute_config
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
-from .distributed import ParallelContext, step_loss_and_stop, stochastic_rounding_seed
+from .distributed import (ParallelContext, data_parallel_group, step_loss_and_stop,
+                          stochastic_rounding_seed)
 from .downstream import DownstreamEvaluator, run_tokenizer
 from .forensics import (AnomalyWatch, Thresholds, bisect, bisect_table, capture_rng,
                         code_version, write_replay_json)
@@ -408,7 +410,9 @@ class Trainer:
         return {"consumed_tokens": self.consumed_tokens, "loss": result.loss, "lr": result.lr,
                 "grad_norm": result.grad_norm, "tokens_per_sec": self.tokens_per_step / seconds,
                 "skipped_steps": self.skipped_steps, **self.data.train.metrics(),
-                **result.health, **result.precision}
+                **result.health, **result.precision,
+                # MoE layers: tokens per expert, imbalance, aux loss, expert bias (model/moe.py)
+                **take_expert_load(self.core, self.micro_batches, data_parallel_group())}
 
     def _report(self, metrics: dict, result: StepResult, eta: float) -> None:
         """The console: one status line per `trainer.log_every` steps and with each validation,
@@ -421,6 +425,8 @@ class Trainer:
             log.info(status_line(self.step, self.cfg.trainer.max_steps, metrics, eta))
         if "val_loss" in metrics:
             log.info(data_line(metrics))
+            if expert_load_line(metrics):
+                log.info(expert_load_line(metrics))
 
     def _after_step(self, sink: MetricsSink, stop: bool, anomaly: bool = False) -> bool:
         """Checkpoint and downstream evaluation when due, or when a stop signal came (`stop`:

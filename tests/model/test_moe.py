@@ -372,3 +372,95 @@ def test_a_te_start_refuses_an_moe_model(parallel_context, monkeypatch, tmp_path
         entry._start_up(raw)
     assert err.value.code == 2
     assert not run_dir.exists()
+
+
+def test_the_hf_export_and_import_refuse_moe_models_naming_them(tmp_path):
+    from model import hf
+
+    with pytest.raises(hf.HFError, match=r"^model.pattern='ME\*E' has MoE layers \('E'\): the "
+                                         "Hugging Face export and import do not map expert"):
+        hf.hf_config_fields(TINY, 256, eos_token_id=2)
+    with pytest.raises(hf.HFError, match="do not map expert weights"):
+        hf.check_init_from(dataclasses.replace(TINY, init_from=str(tmp_path)))
+
+
+def test_the_nemotron3_precision_map_covers_the_moe_layers():
+    """precision=nvfp4_nemotron3 on Nano: the last 15 % of the 52 layers (8, rounded up) BF16,
+    every expert and shared-expert linear elsewhere the recipe's NVFP4 (no override names them),
+    attention in BF16 and the Mamba out_proj in MXFP8 as on the dense hybrids."""
+    from train_helpers import compose_train
+
+    cfg = compose_train("precision=nvfp4_nemotron3", "model=nemotron3_nano")
+    formats = {n: str(f) for n, f in precision_policy(cfg.model, cfg.precision)
+               .linear_formats().items()}
+    for name, fmt in formats.items():
+        index = int(name.split(".")[1])
+        if index >= 52 - 8:
+            assert fmt == "bf16", name
+        elif ".experts." in name or ".shared_experts." in name:
+            assert fmt == "nvfp4", name
+    assert sum(".experts." in n for n in formats) == 23 * 256
+
+
+
+# -- what users watch: expert load ---------------------------------------------------------------
+
+
+def test_expert_load_metrics_count_training_tokens_per_expert(parallel_context):
+    from model.moe import expert_load_line, take_expert_load
+
+    built = _build()
+    module = built.module
+    tokens = torch.randint(0, 256, (2, 32))
+    positions = torch.arange(32).expand(2, 32)
+    for _ in range(2):  # two micro-batches of a step
+        module(tokens, positions, None, labels=tokens).mean().backward()
+    with torch.no_grad():  # an evaluation forward is not counted
+        module(tokens, positions, None, labels=tokens)
+    routers = {i: m.mlp.router for i, m in enumerate(module.decoder.layers) if i in (1, 3)}
+    loads = {i: r.load_seen.clone() for i, r in routers.items()}
+    metrics = take_expert_load(module, micro_batches=2)
+    for i, load in loads.items():
+        assert load.sum() == 2 * 64 * MOE.topk  # each token counted at each of its top-k
+        assert [metrics[f"moe/{i}/tokens/{e}"] for e in range(4)] == load.int().tolist()
+        assert metrics[f"moe/{i}/max_over_mean"] == pytest.approx(
+            (load.max() / load.mean()).item())
+        assert metrics[f"moe/{i}/aux_loss"] > 0  # seq_aux_loss, unscaled, per micro-batch
+        assert metrics[f"moe/{i}/expert_bias_max"] == 0.0  # no update has run yet
+        assert routers[i].load_seen.sum() == 0  # taken: the next step starts from zero
+    line = expert_load_line(metrics)
+    assert line.startswith("expert load: max/mean ") and "aux loss mean" in line
+    assert take_expert_load(_build(dataclasses.replace(TINY, pattern="M*", moe=None)).module) == {}
+
+
+def test_a_training_run_with_expert_parallelism_is_refused_until_it_is_wired():
+    from training.config import refuse_expert_parallel_training
+
+    cfg = _moe_train(dict(expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"^parallel.expert_model_parallel_size=2, parallel."
+                                          r"expert_tensor_parallel_size=None: training with "
+                                          "experts split otherwise than the dense layers is not "
+                                          "wired yet"):
+        refuse_expert_parallel_training(cfg.parallel)
+    refuse_expert_parallel_training(_moe_train({}).parallel)  # EP 1: trains
+    refuse_expert_parallel_training(_moe_train(dict(tensor=2, expert_tensor_parallel_size=2))
+                                    .parallel)
+
+
+def test_an_nvfp4_expert_without_tokens_is_skipped(parallel_context):
+    """Routing may leave an expert idle in a micro-batch: its NVFP4 GEMMs are not called (a
+    zero-row operand cannot be quantized), the others' outputs are unchanged, and the idle
+    expert's weights get no gradient."""
+    built = _build(precision=NVFP4)
+    experts = built.module.decoder.layers[1].mlp.experts
+    torch.manual_seed(5)
+    hidden = torch.randn(48, 64, requires_grad=True)
+    probs = torch.rand(48)
+    counts = torch.tensor([20, 0, 28, 0])
+    out, _ = experts(hidden, counts, probs)
+    out.sum().backward()
+    assert out.shape == (48, 64)
+    first, _ = experts.local_experts[0](hidden[:20].detach(), probs[:20])
+    assert torch.equal(out[:20].detach(), first.detach())
+    assert experts.local_experts[1].linear_fc1.weight.grad is None
+    assert experts.local_experts[2].linear_fc1.weight.grad is not None
