@@ -78,7 +78,8 @@ TELEMETRY_STATS = ("flush", "scale_underflow", "scale_overflow")
 class TelemetryConfig:
     # Underflow telemetry (per linear, GEMM pass and operand: the flushed fraction and the blocks
     # whose scale under- or overflows) every N optimizer steps, on the emulated GEMMs (0 = off).
-    every: int = 10
+    # A measured demo step costs up to ~1.3x (docs/performance.md): 20 keeps it under 2 %.
+    every: int = 20
     # Rows of each quantized operand sampled per GEMM call (tokens; channels of a Wgrad operand;
     # weight rows, in whole 16x16 tiles): the cost is about this many rows' quantization.
     rows: int = 64

@@ -139,8 +139,12 @@ def _block_amax(src: torch.Tensor, block: int, tile_rows: int) -> torch.Tensor:
     if pad_rows or pad_cols:
         src = torch.nn.functional.pad(src, (0, pad_cols, 0, pad_rows))
         rows, cols = src.shape
-    magnitude = src.abs().view(rows // tile_rows, tile_rows, cols // block, block)
-    return magnitude.amax(dim=(1, 3))
+    # max_pool1d over each row: several times faster on CPU than amax over a trailing dim of 16
+    # or 32 (as nvfp4.py's and mxfp8.py's block amax); the same maxima
+    rows_max = torch.nn.functional.max_pool1d(src.abs().view(1, rows, cols), block, block)
+    if tile_rows == 1:
+        return rows_max.view(rows, cols // block)
+    return rows_max.view(rows // tile_rows, tile_rows, cols // block).amax(dim=1)
 
 
 def ratios(counts: torch.Tensor) -> torch.Tensor:
