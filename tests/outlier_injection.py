@@ -18,7 +18,9 @@ As a wrapper around train.py, or around any module's command line (`OUTLIER_MODU
 Environment: OUTLIER_LINEAR (the policy's name, `layers.<pattern index>.<module name>`, as
 `model.build.BuiltModel.linears` names it), OUTLIER_CHANNEL (default 0), OUTLIER_VALUE (default
 1e4), OUTLIER_AFTER (default 0: the outlier is there from the first forward; N: from the forward
-after the linear's N-th training forward, so a run can go clean for a while first).
+after the linear's N-th training forward, so a run can go clean for a while first),
+OUTLIER_RANK (default: every rank; N: only the process of global rank N, e.g. one data-parallel
+rank, so that only statistics reduced over the ranks can see it).
 
 The constant is added to `channel` of the linear's input's last dimension (its K, the reduction
 dimension of Fprop): a channel that dwarfs the others in its 1x16 / 1x32 block pushes their
@@ -90,14 +92,18 @@ def plant_outlier(core: torch.nn.Module, linear_name: str, channel: int = 0, val
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _settings() -> dict:
+def _settings() -> dict | None:
+    """plant_outlier's arguments from the environment; None where this rank plants nothing."""
+    rank = os.environ.get("OUTLIER_RANK")
+    if rank is not None and int(os.environ.get("RANK", "0")) != int(rank):
+        return None
     return {"linear_name": os.environ["OUTLIER_LINEAR"],
             "channel": int(os.environ.get("OUTLIER_CHANNEL", "0")),
             "value": float(os.environ.get("OUTLIER_VALUE", "1e4")),
             "after": int(os.environ.get("OUTLIER_AFTER", "0"))}
 
 
-def install(settings: dict) -> None:
+def install(settings: dict | None) -> None:
     """Every model `model.build.build_model` builds from now on, in this process, gets the
     outlier: the function is replaced in model.build and in every module imported so far that
     took the name from it (later imports take the replacement)."""
@@ -107,7 +113,8 @@ def install(settings: dict) -> None:
 
     def build_and_plant(*args, **kwargs):
         built = build(*args, **kwargs)
-        plant_outlier(built.module, **settings)
+        if settings is not None:
+            plant_outlier(built.module, **settings)
         return built
 
     for module in list(sys.modules.values()):

@@ -101,3 +101,26 @@ def test_a_resumed_run_makes_the_same_decisions_at_the_same_steps(planted_run, t
     formats = serving_formats(read_run(resumed), "nvfp4",
                               checkpoint_precision_map(resumed / ckpt))
     assert formats[PLANTED] == "mxfp8" and formats["layers.5.mixer.in_proj"] == "nvfp4"
+
+
+def test_ranks_decide_on_statistics_reduced_over_them(tmp_path, data_cache):
+    """Two data-parallel ranks, the outlier planted on rank 1 only: rank 0's own telemetry of
+    the planted linear is clean, but the logged statistics are every rank's largest, so the
+    decision (rank 0 writes the events and the checkpoint) is the one rank 1's data calls for,
+    and both ranks train on with it to the end."""
+    run_dir = tmp_path / "dp2"
+    proc = run_train(run_dir, *FAST, "precision=nvfp4", "trainer.max_steps=3",
+                     "trainer.save_every=3", "trainer.eval_every=100",
+                     "precision.telemetry.every=1", "precision.adaptive.enabled=true",
+                     "precision.adaptive.patience=2", "precision.adaptive.passes=forward",
+                     "precision.adaptive.thresholds.flush=null",
+                     "precision.adaptive.thresholds.scale_underflow=0.5", nproc=2,
+                     cache_dir=data_cache, env={**OUTLIER, "OUTLIER_RANK": "1"}, script=SCRIPT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert [(e["step"], e["module"], e["pass"], e["to"]) for e in fallbacks(run_dir)] == [
+        (2, PLANTED, "fprop", "mxfp8")]
+    records = steps(run_dir)
+    assert records[1][f"underflow/{PLANTED}/fprop/x/scale_underflow"] > 0.5
+    assert sorted(records) == [1, 2, 3]
+    assert checkpoint_precision_map(run_dir / "checkpoints" / "step_0000003") == {
+        PLANTED: "mxfp8/nvfp4/nvfp4"}
