@@ -15,7 +15,8 @@ from train_helpers import compose_train
 from data.config import DataConfigError
 from errors import ConfigError
 from field_ranges import RANGE, at_least
-from nvfp4_recipe.policy import PrecisionConfig, SwitchToBF16Config
+from nvfp4_recipe.policy import (AdaptiveConfig, AdaptiveThresholds, PrecisionConfig,
+                                 SwitchToBF16Config, TelemetryConfig)
 from training.config import TrainConfig, validate
 from training.distributed import data_parallel_size
 
@@ -86,6 +87,10 @@ NOT_DECLARED = {
     PrecisionConfig: "nvfp4_recipe ships alone in its wheel, without field_ranges: "
                      "validate_precision checks its numeric fields by hand (tested below)",
     SwitchToBF16Config: "nested in PrecisionConfig, checked by validate_precision",
+    TelemetryConfig: "nested in PrecisionConfig, checked by validate_precision (validate_adaptive: "
+                     "tests/training/test_adaptive_precision.py)",
+    AdaptiveConfig: "the same",
+    AdaptiveThresholds: "the same",
 }
 
 
