@@ -35,7 +35,6 @@ the change mattered.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os

@@ -27,8 +27,6 @@ object the late switch to BF16 masks (nvfp4_recipe/megatron/parallel_linear.py
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
 import math
 import subprocess
@@ -92,10 +90,6 @@ def code_changes(recorded: dict, now: dict, repo: Path = REPO) -> list[str]:
     if now.get("dirty"):
         lines.append("this checkout has uncommitted changes")
     return lines
-
-
-def config_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def flat_config(tree: Any, prefix: str = "") -> dict[str, Any]:
