@@ -73,8 +73,10 @@ class PortableTopKRouter(TopKRouter):
         self._init_router(config, pg_collection)
         # Counted where megatron counts for the bias update (router.py:532-543): forwards with
         # gradients, so an evaluation or the no-grad first pass of a recomputed chunk adds none.
+        # integer counts: megatron's Float16Module casts floating buffers to BF16, which counts
+        # exactly only up to 256
         self.register_buffer("load_seen", torch.zeros(self.config.num_moe_experts,
-                                                      device=self.weight.device),
+                                                      dtype=torch.long, device=self.weight.device),
                              persistent=False)
 
     def routing(self, logits: torch.Tensor, *args, **kwargs):

@@ -528,8 +528,10 @@ def print_plan(plan: dict, console=None) -> None:
     for row in plan["layers"]:
         style = None if row["precision"] == "bf16" else "cyan"
         fmts = set(row["linears"].values())
-        linears = (", ".join(map(_short, row["linears"])) + f": {fmts.pop()}" if len(fmts) == 1
-                   else ", ".join(f"{_short(n)} {f}" for n, f in row["linears"].items()))
+        # dict.fromkeys: an MoE layer's experts share their short names (linear_fc1, linear_fc2)
+        linears = (", ".join(dict.fromkeys(map(_short, row["linears"]))) + f": {fmts.pop()}"
+                   if len(fmts) == 1 else ", ".join(dict.fromkeys(
+                       f"{_short(n)} {f}" for n, f in row["linears"].items())))
         table.add_row(str(row["index"]), row["kind"], linears, f"{row['parameters']:,}",
                       f"{row['parameters_per_rank']:,}", style=style)
     console.print(table)

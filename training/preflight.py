@@ -64,6 +64,8 @@ def preflight(cfg, policy, backends, device=None):
     from model.specs import layout_problems, linear_shapes
 
     m, par, tr, p = cfg.model, cfg.parallel, cfg.trainer, cfg.precision
+    if m.moe is not None:  # the TE spec does not build MoE layers (model/moe.py te_moe_refusal)
+        backends = tuple(b for b in backends if b != "te") or ("emulated",)
     formats = {n: f for n, f in policy_for(m, p, policy).linear_formats().items() if f != "bf16"}
     tokens = tr.micro_batch_size * tr.seq_length
 
