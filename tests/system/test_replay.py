@@ -148,3 +148,61 @@ def test_on_anomaly_bisects_in_the_loop_checkpoints_and_stops(tmp_path, data_cac
     assert [(e["step"], e["action"]) for e in events] == [(2, "stop")]
     assert (run_dir / "checkpoints" / "step_0000002").is_dir()
     assert max(r["step"] for r in read_metrics(run_dir, "step")) == 2
+
+
+def train_planted_in_process(run_dir: Path, cache_dir: Path, *overrides: str,
+                             steps: int = 3) -> list[tuple[float, float]]:
+    """(loss, grad norm) of `steps` NVFP4 demo steps of a one-process Trainer whose
+    layers.2.mixer.in_proj sees the 1e4 outlier, events into run_dir/metrics.jsonl."""
+    from outlier_injection import plant_outlier
+    from train_helpers import compose_train
+    from training.distributed import init_distributed, shutdown
+    from training.metrics import MetricsSink
+    from training.run_dir import release_run_dir
+    from training.trainer import Trainer, prepare_run_dir
+
+    cfg = compose_train(*FAST, "precision=nvfp4", f"trainer.max_steps={steps}", *overrides,
+                        f"run.dir={run_dir}", f"data.cache_dir={cache_dir}/data")
+    ctx = init_distributed(1, 1, "gloo")
+    try:
+        prepare_run_dir(cfg, ctx)
+        trainer = Trainer(cfg, ctx)
+        handle = plant_outlier(trainer.core, PLANTED, channel=0, value=1e4)
+        sink = MetricsSink(run_dir, True)
+        out = []
+        for _ in range(steps):
+            result = trainer.train_step(trainer.data.train.next_global_batch(), sink)
+            trainer.step += 1
+            out.append((result.loss, result.grad_norm))
+        handle.remove()
+        return out
+    finally:
+        release_run_dir(run_dir)
+        shutdown()
+
+
+def test_on_anomaly_bisects_in_the_loop_and_continues_as_if_nothing_happened(
+        tmp_path, data_cache, monkeypatch):
+    """The in-loop bisect of step 2 (its trigger forced) finds the planted linear, and the run
+    continues bit for bit as the same run without on_anomaly: the bisect ends with the step as
+    it ran, so the update and the RNG after it are the step's own."""
+    from training import forensics
+
+    plain = train_planted_in_process(tmp_path / "plain", data_cache)
+    seen = []
+
+    def forced(self, loss, grad_norm):  # the z-score trigger, fired at the second step
+        seen.append(grad_norm)
+        return "forced at step 2" if len(seen) == 2 else None
+
+    monkeypatch.setattr(forensics.AnomalyWatch, "check", forced)
+    watched = train_planted_in_process(tmp_path / "watched", data_cache,
+                                       "trainer.on_anomaly=replay",
+                                       "trainer.anomaly_grad_norm_threshold=0.015")
+    assert watched == plain  # every step's loss and grad norm, bit for bit
+    record = json.loads((tmp_path / "watched" / "replay" / "step-2" / "replay.json").read_text())
+    assert record["trigger"] == "forced at step 2"
+    assert record["bisect"]["ranking"][0]["module"] == PLANTED
+    assert record["bisect"]["as_logged"]["grad_norm"] == plain[1][1]
+    events = [e for e in read_metrics(tmp_path / "watched", "event") if e["event"] == "anomaly"]
+    assert [(e["step"], e["culprits"]) for e in events] == [(2, [f"{PLANTED}/fprop"])]
