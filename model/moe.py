@@ -80,6 +80,12 @@ class PortableTopKRouter(TopKRouter):
                              persistent=False)
 
     def routing(self, logits: torch.Tensor, *args, **kwargs):
+        # megatron keeps expert_bias in FP32 after Float16Module's cast to BF16
+        # (_maintain_float32_expert_bias, router.py:209-218); the load it updates from needs the
+        # same, or counts above 256 per expert round (BF16 has 8 significant bits).
+        counts = self.local_tokens_per_expert
+        if counts is not None and counts.dtype != torch.float32:
+            self.local_tokens_per_expert = counts.float()
         probs, routing_map = super().routing(logits, *args, **kwargs)
         if torch.is_grad_enabled():
             with torch.no_grad():

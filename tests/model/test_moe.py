@@ -468,3 +468,23 @@ def test_an_nvfp4_expert_without_tokens_is_skipped(parallel_context):
     assert torch.equal(out[:20].detach(), first.detach())
     assert experts.local_experts[1].linear_fc1.weight.grad is None
     assert experts.local_experts[2].linear_fc1.weight.grad is not None
+
+
+def test_the_bias_update_counts_stay_exact_under_bf16_weights(parallel_context):
+    """Float16Module casts every floating buffer to BF16 (8 significant bits): the router's load
+    for the bias update is counted in FP32 again, as megatron keeps the bias itself."""
+    from megatron.core.transformer.module import Float16Module
+
+    from model.build import build_model
+
+    torch.manual_seed(0)
+    built = build_model(TINY, PrecisionConfig(), vocab_size=256, backend="emulated",
+                        params_dtype=torch.bfloat16)
+    model = Float16Module(built.module.config, built.module)
+    router = built.module.decoder.layers[1].mlp.router
+    assert router.local_tokens_per_expert.dtype == torch.bfloat16  # as the cast leaves it
+    tokens = torch.randint(0, 256, (8, 128))
+    model(tokens, torch.arange(128).expand(8, 128), None, labels=tokens).float().mean().backward()
+    counts = router.local_tokens_per_expert
+    assert counts.dtype == torch.float32 and counts.sum() == 8 * 128 * MOE.topk
+    assert torch.equal(counts.long(), router.load_seen)  # ~512 per expert: exact
