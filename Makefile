@@ -24,9 +24,9 @@ train: setup  ## the CPU demo: ~6M-parameter hybrid, 3-6 min of training on 2 co
 # marks them `slow`; the rest is the unit tier. tests/test_suite_tiers.py keeps them apart.
 # TEST_WORKERS=N: N pytest-xdist workers run the files, each file whole on one worker (--dist
 # loadfile: a module's fixtures are built once). Most system tests wait on process start-up, fsync
-# and collectives, leaving a core idle. 0 (the default until measured on a clean clone) runs the
-# session in this process, serially.
-TEST_WORKERS ?= 0
+# and collectives, leaving a core idle: on a clean clone on 2 cores, 2 workers ran 69.9 min of
+# tests in 35.7 min (docs/performance.md). TEST_WORKERS=0 runs the session serially.
+TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: setup  ## the CI suite: both tiers in one session, the unit tier first; the 25 slowest tests

@@ -103,7 +103,7 @@ def test_bf16_gemms_in_fp32_split_into_the_gemm_and_its_conversions():
 def test_every_part_of_the_step_profile_names_a_function_it_can_wrap():
     labels = {part.label for part in step_parts()}
     assert labels == {"emulation/quantize", "emulation/gemm", "emulation/wgrad_transpose_rht",
-                      "emulation/sr_draws", "mamba/ssd_scan", "gemm/fp32 on bf16 values",
-                      "gemm/bf16<->fp32 conversions"}
+                      "emulation/sr_draws", "emulation/underflow telemetry", "mamba/ssd_scan",
+                      "gemm/fp32 on bf16 values", "gemm/bf16<->fp32 conversions"}
     with PartTimer():
         pass  # __enter__ resolves and wraps every part, or raises

@@ -245,22 +245,6 @@ def test_weights_are_quantized_once_per_step_never_reused_across_steps():
     assert not linears[0].record_input_amax(torch.zeros(()))
 
 
-def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
-    """B: the trainer resets every TE weight cache at the start of a step and of an evaluation
-    (before this, nothing did: megatron only resets when config.fp8/fp4 is set)."""
-    trainer = make_trainer("trainer.max_steps=1", "trainer.eval_every=1")
-    fake = FakeTEWrapper()
-    trainer.core.add_module("fake_te_linear", fake)
-    trainer.precision.linears = [*trainer.precision.linears,
-                                 HeldLinear("layers.0.fake", "nvfp4", TEPrecisionLinear(fake))]
-    fake.is_first_microbatch = False
-    trainer.train_step(trainer.data.train.next_global_batch())
-    assert fake.is_first_microbatch is True
-    fake.is_first_microbatch = False
-    trainer.validator.loss()
-    assert fake.is_first_microbatch is True
-
-
 def test_a_linear_switched_at_run_time_enters_its_new_recipe_built_once_on_first_use():
     """The per-forward context of a TE linear reads the runtime state's switched map by the
     linear's policy name: no autocast of its own while it runs its layer's formats, the recipe of
@@ -336,3 +320,21 @@ def test_the_controller_switches_a_te_linear_of_a_built_model(parallel_context, 
     assert entered.count(("recipe", "nvfp4")) == sum(d.low_precision for d in built.policy.layers())
     with pytest.raises(RuntimeError, match="without a run-time format switch"):
         held["layers.0.mixer.in_proj"].set_formats("nvfp4")
+
+
+# Last in the file: make_trainer sets up and tears down its own process group and megatron's
+# parallel state, which also ends the module's `parallel_context` the tests above share.
+def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
+    """B: the trainer resets every TE weight cache at the start of a step and of an evaluation
+    (before this, nothing did: megatron only resets when config.fp8/fp4 is set)."""
+    trainer = make_trainer("trainer.max_steps=1", "trainer.eval_every=1")
+    fake = FakeTEWrapper()
+    trainer.core.add_module("fake_te_linear", fake)
+    trainer.precision.linears = [*trainer.precision.linears,
+                                 HeldLinear("layers.0.fake", "nvfp4", TEPrecisionLinear(fake))]
+    fake.is_first_microbatch = False
+    trainer.train_step(trainer.data.train.next_global_batch())
+    assert fake.is_first_microbatch is True
+    fake.is_first_microbatch = False
+    trainer.validator.loss()
+    assert fake.is_first_microbatch is True

@@ -29,7 +29,9 @@ def test_demo_moe_trains_in_nvfp4_and_reports_expert_load(tmp_path, data_cache):
             assert m[f"moe/{i}/aux_loss"] > 0
     # The bias moves by the update rate (1e-3) once per step, down where the load was high.
     last = steps[-1]
-    assert 0 < last["moe/1/expert_bias_max"] <= 8e-3 and -8e-3 <= last["moe/1/expert_bias_min"] < 0
+    # (8 steps of 1e-3 summed in FP32 land within float32 rounding of 8e-3, either side)
+    bound = 8e-3 * (1 + 1e-6)
+    assert 0 < last["moe/1/expert_bias_max"] <= bound and -bound <= last["moe/1/expert_bias_min"] < 0
     assert sum(line.startswith("expert load: max/mean ") for line in proc.stdout.splitlines()) == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step_0000004", "step_0000008"]
