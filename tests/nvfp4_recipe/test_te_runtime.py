@@ -25,6 +25,30 @@ LOW = LayerPrecision(index=3, kind="mamba", format="nvfp4")
 BF16 = LayerPrecision(index=0, kind="mamba", format="bf16")
 
 
+def te_stand_ins(monkeypatch, build_recipe) -> list:
+    """build_model's TE backend without TE: a fake autocast that records each recipe a layer's
+    forward enters (the list returned), `build_recipe(formats, cfg)` for TE's recipe builder, and
+    the portable layers under the TE contexts (the TE layer specs need TE)."""
+    from contextlib import contextmanager
+
+    from model import build as build_module
+    from nvfp4_recipe.policy import PrecisionConfig
+
+    entered = []
+
+    @contextmanager
+    def fake_autocast(recipe):
+        entered.append(recipe)
+        yield
+
+    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
+    monkeypatch.setattr(build_module, "build_te_recipe", build_recipe)
+    monkeypatch.setattr(build_module, "te_layer_spec",
+                        lambda d, model: build_module.portable_layer_spec(
+                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    return entered
+
+
 @pytest.mark.parametrize("switched, low, bf16", [
     (None, RECIPE, None),  # before the switch: the policy's low-precision layers quantize
     ("all", None, None),  # after it: every GEMM in BF16
@@ -79,25 +103,11 @@ def test_a_te_recipe_field_set_from_the_environment_is_refused(env, formats, ref
 def test_switch_reaches_layers_built_before_it(parallel_context, monkeypatch):
     """G: the stack enters each layer's context at every forward, so flipping the runtime state
     after the model was built changes what the next forward runs under."""
-    from contextlib import contextmanager
-
     from model import build as build_module
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
 
-    entered = []
-
-    @contextmanager
-    def fake_autocast(recipe):
-        entered.append(recipe)
-        yield
-
-    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
-    monkeypatch.setattr(build_module, "build_te_recipe", lambda formats, cfg: RECIPE)
-    # The TE layer specs need TE: build the portable layers under the TE contexts instead.
-    monkeypatch.setattr(build_module, "te_layer_spec",
-                        lambda d, model: build_module.portable_layer_spec(
-                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    entered = te_stand_ins(monkeypatch, lambda formats, cfg: RECIPE)
     cfg = ModelConfig(vocab_size=256)
     built = build_module.build_model(cfg, PrecisionConfig(name="nvfp4", format="nvfp4"),
                                      vocab_size=256, backend="te")
@@ -118,25 +128,13 @@ def test_a_forward_only_switch_enters_the_recipe_of_the_formats_it_leaves(parall
     """The switch is a change of every linear's pass formats: with passes=forward configured,
     build_model builds the recipe of BF16 Fprop with the recipe's Dgrad and Wgrad too (a
     CustomRecipe on TE 2.19), and after the switch every low-precision layer enters it."""
-    from contextlib import contextmanager
-
     from model import build as build_module
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig, SwitchToBF16Config
 
-    entered, built_for = [], []
-
-    @contextmanager
-    def fake_autocast(recipe):
-        entered.append(recipe)
-        yield
-
-    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
-    monkeypatch.setattr(build_module, "build_te_recipe",
-                        lambda formats, cfg: built_for.append(formats) or f"{formats} recipe")
-    monkeypatch.setattr(build_module, "te_layer_spec",
-                        lambda d, model: build_module.portable_layer_spec(
-                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    built_for = []
+    entered = te_stand_ins(monkeypatch,
+                           lambda formats, cfg: built_for.append(formats) or f"{formats} recipe")
     precision = PrecisionConfig(name="nvfp4", format="nvfp4", switch_to_bf16=SwitchToBF16Config(
         at_fraction=0.8, passes="forward"))
     built = build_module.build_model(ModelConfig(vocab_size=256), precision, vocab_size=256,
@@ -286,25 +284,12 @@ def test_the_controller_switches_a_te_linear_of_a_built_model(parallel_context, 
     """build_model gives every quantized TE linear a context that reads its formats per
     forward, so PrecisionController.apply_formats reaches it at the next forward (the portable
     layers stand in for TE's, as above)."""
-    from contextlib import contextmanager
-
     from model import build as build_module
     from model.config import ModelConfig
     from nvfp4_recipe.policy import PrecisionConfig
     from training.precision import PrecisionController
 
-    entered = []
-
-    @contextmanager
-    def fake_autocast(recipe):
-        entered.append(recipe)
-        yield
-
-    monkeypatch.setattr(build_module.compat, "te_autocast", fake_autocast)
-    monkeypatch.setattr(build_module, "build_te_recipe", lambda formats, cfg: ("recipe", str(formats)))
-    monkeypatch.setattr(build_module, "te_layer_spec",
-                        lambda d, model: build_module.portable_layer_spec(
-                            d, PrecisionConfig(), build_module.RuntimePrecisionState(), model))
+    entered = te_stand_ins(monkeypatch, lambda formats, cfg: ("recipe", str(formats)))
     precision = PrecisionConfig(name="nvfp4", format="nvfp4")
     built = build_module.build_model(ModelConfig(vocab_size=256), precision, vocab_size=256,
                                      backend="te")
