@@ -134,19 +134,19 @@ def moe_routers(module: torch.nn.Module) -> list[tuple[int, PortableTopKRouter]]
             if isinstance(router, PortableTopKRouter)]
 
 
-def take_expert_load(module: torch.nn.Module, micro_batches: int = 1,
+def take_expert_load(routers: list[tuple[int, PortableTopKRouter]], micro_batches: int = 1,
                      group=None) -> dict[str, float]:
     """The expert-load metrics since the last call, per MoE layer i (pattern index), and resets
     the counts: moe/<i>/max_over_mean and min_over_mean (tokens of the busiest / idlest expert
     over the mean; 1 is perfect balance), moe/<i>/expert_bias_min|max (the aux-loss-free bias
     after its updates), moe/<i>/aux_loss (the layer's unscaled load-balancing loss, mean over the
     step's `micro_batches`, from megatron's tracker), and with at most PER_EXPERT_MAX experts
-    moe/<i>/tokens/<e> per expert. The token counts are summed over `group` (the data-parallel
-    group: every rank must call this). Empty without MoE layers."""
+    moe/<i>/tokens/<e> per expert. `routers`: `moe_routers(model)`, found once per model. The
+    token counts are summed over `group` (the data-parallel group: every rank must call this).
+    Empty without MoE layers."""
     from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                          get_moe_layer_wise_logging_tracker)
 
-    routers = moe_routers(module)
     if not routers:
         return {}
     loads = torch.stack([r.load_seen for _, r in routers]).float()

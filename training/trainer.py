@@ -22,7 +22,7 @@ from data.demo import ensure_demo_corpus
 from data.tokenizer import load_tokenizer_spec
 from model.build import build_model, choose_backend, padded_vocab_size
 from model.hf import load_hf_weights
-from model.moe import expert_load_line, take_expert_load
+from model.moe import expert_load_line, moe_routers, take_expert_load
 from model.specs import linear_shapes
 
 from . import checkpoint as ckpt
@@ -117,6 +117,8 @@ class Trainer:
             Every(cfg.precision.diagnostics_every), Every(cfg.precision.telemetry.every),
             gemm_shapes={name: (s["in"], s["out"])
                          for name, s in linear_shapes(cfg.model, ctx.tensor).items()})
+        # This rank's MoE routers, whose expert load each step reports (none in a dense model).
+        self.moe_routers = moe_routers(self.core)
         # Each rank draws its own stochastic-rounding stream (saved with its checkpoint).
         torch.manual_seed(stochastic_rounding_seed(tr.seed, ctx))
 
@@ -412,7 +414,7 @@ class Trainer:
                 "skipped_steps": self.skipped_steps, **self.data.train.metrics(),
                 **result.health, **result.precision,
                 # MoE layers: tokens per expert, imbalance, aux loss, expert bias (model/moe.py)
-                **take_expert_load(self.core, self.micro_batches, data_parallel_group())}
+                **take_expert_load(self.moe_routers, self.micro_batches, data_parallel_group())}
 
     def _report(self, metrics: dict, result: StepResult, eta: float) -> None:
         """The console: one status line per `trainer.log_every` steps and with each validation,
@@ -425,8 +427,9 @@ class Trainer:
             log.info(status_line(self.step, self.cfg.trainer.max_steps, metrics, eta))
         if "val_loss" in metrics:
             log.info(data_line(metrics))
-            if expert_load_line(metrics):
-                log.info(expert_load_line(metrics))
+            line = expert_load_line(metrics)
+            if line:
+                log.info(line)
 
     def _after_step(self, sink: MetricsSink, stop: bool, anomaly: bool = False) -> bool:
         """Checkpoint and downstream evaluation when due, or when a stop signal came (`stop`:

@@ -410,7 +410,7 @@ def test_the_nemotron3_precision_map_covers_the_moe_layers():
 
 
 def test_expert_load_metrics_count_training_tokens_per_expert(parallel_context):
-    from model.moe import expert_load_line, take_expert_load
+    from model.moe import expert_load_line, moe_routers, take_expert_load
 
     built = _build()
     module = built.module
@@ -423,7 +423,7 @@ def test_expert_load_metrics_count_training_tokens_per_expert(parallel_context):
     routers = {i: m.mlp.router for i, m in enumerate(module.decoder.layers) if i in (1, 3)}
     loads = {i: r.load_seen.clone() for i, r in routers.items()}
     assert all(not r.load_seen.is_floating_point() for r in routers.values())  # BF16-proof
-    metrics = take_expert_load(module, micro_batches=2)
+    metrics = take_expert_load(moe_routers(module), micro_batches=2)
     for i, load in loads.items():
         assert load.sum() == 2 * 64 * MOE.topk  # each token counted at each of its top-k
         assert [metrics[f"moe/{i}/tokens/{e}"] for e in range(4)] == load.tolist()
@@ -434,7 +434,8 @@ def test_expert_load_metrics_count_training_tokens_per_expert(parallel_context):
         assert routers[i].load_seen.sum() == 0  # taken: the next step starts from zero
     line = expert_load_line(metrics)
     assert line.startswith("expert load: max/mean ") and "aux loss mean" in line
-    assert take_expert_load(_build(dataclasses.replace(TINY, pattern="M*", moe=None)).module) == {}
+    assert take_expert_load(moe_routers(
+        _build(dataclasses.replace(TINY, pattern="M*", moe=None)).module)) == {}
 
 
 def test_a_training_run_with_expert_parallelism_is_refused_until_it_is_wired():
