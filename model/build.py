@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core.activations import squared_relu
@@ -13,8 +14,11 @@ from megatron.core.utils import get_pg_rank
 
 import compat
 from nvfp4_recipe.linear_protocol import HeldLinear, PrecisionLinear
+from nvfp4_recipe.megatron.te_telemetry import TELinearTelemetry
+from nvfp4_recipe.passes import PassFormats
 from nvfp4_recipe.policy import (LayerPrecision, PrecisionConfig, PrecisionPolicy,
                                  RuntimePrecisionState)
+from nvfp4_recipe.registry import pass_configs_for
 from nvfp4_recipe.megatron.te_mapping import build_te_recipe, during_run
 from nvfp4_recipe.megatron.te_runtime import (RecipeTable, TEPrecisionLinear, te_layer_context,
                                               te_linear_context)
@@ -265,11 +269,14 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
     return BuiltModel(module=module, policy=policy, runtime_state=state, backend=backend,
                       spec=spec_family, paths=paths,
                       linears=held_linears(module.decoder, decisions, policy.linear_names,
-                                           te=spec_family == "te"))
+                                           te=spec_family == "te", precision=precision,
+                                           state=state))
 
 
 def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
-                 linear_names: dict[str, tuple[str, ...]], te: bool) -> list[HeldLinear]:
+                 linear_names: dict[str, tuple[str, ...]], te: bool,
+                 precision: Optional[PrecisionConfig] = None,
+                 state: Optional[RuntimePrecisionState] = None) -> list[HeldLinear]:
     """The policy's linears among this pipeline stage's layers, named as the policy names them
     (`layers.<pattern index>.<module name>`): the emulated linears are their own PrecisionLinear,
     TE's are adapted (te_runtime.TEPrecisionLinear). An MoE layer's routed experts are named
@@ -286,16 +293,28 @@ def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
                 if path is None:  # another expert-parallel rank's expert
                     continue
             module = layer.get_submodule(path)
-            # build_model gives every quantized TE linear a gemm context that reads its
-            # formats per forward (te_runtime.te_linear_context with its name)
-            linear = (TEPrecisionLinear(module, switchable=hasattr(module, "gemm_context"))
-                      if te else module)
+            linear = _te_linear(module, decision.linear_format(name), precision,
+                                state) if te else module
             if not isinstance(linear, PrecisionLinear):
                 raise TypeError(f"layers.{decision.index}.{name} is a {type(module).__name__}, "
                                 "not a linear the precision controller can steer")
             held.append(HeldLinear(f"layers.{decision.index}.{name}",
                                    decision.linear_format(name), linear))
     return held
+
+
+def _te_linear(module: torch.nn.Module, fmt: str, precision: Optional[PrecisionConfig],
+               state: Optional[RuntimePrecisionState]) -> TEPrecisionLinear:
+    """A TE linear as the controller steers it. build_model gives every quantized TE linear a
+    gemm context that reads its formats per forward (te_runtime.te_linear_context with its
+    name); those get the underflow telemetry measured beside them (te_telemetry.py), in the
+    emulated configs of their formats."""
+    switchable = hasattr(module, "gemm_context")
+    telemetry = None
+    if switchable and precision is not None and state is not None:
+        configs = pass_configs_for(*PassFormats(fmt).formats, precision)
+        telemetry = TELinearTelemetry(module, configs, state)
+    return TEPrecisionLinear(module, switchable=switchable, telemetry=telemetry)
 
 
 def _expert_parallel_sizes() -> dict:

@@ -50,8 +50,9 @@ class PrecisionLinear(Protocol):
 
     def take_telemetry(self) -> dict[str, torch.Tensor]:
         """{"<pass>/<operand>": int64 counts (nvfp4_recipe.telemetry.COUNTS)} that the GEMMs
-        accumulated while `RuntimePrecisionState.telemetry_rows` was set, then forgotten; {}
-        where the linear cannot measure (TE's)."""
+        accumulated while `RuntimePrecisionState.telemetry_rows` was set, then forgotten (TE's
+        are measured beside them: nvfp4_recipe/megatron/te_telemetry.py); {} when nothing was
+        counted."""
         ...
 
     def set_formats(self, formats: Any, gemm_config: Any) -> None:

@@ -271,7 +271,8 @@ class PrecisionController:
             adaptive = self.adaptive
             lines.append(
                 f"underflow telemetry every {telemetry.every} steps ({telemetry.rows} rows per "
-                "operand" + ("" if backend == "emulated" else "; the TE linears report none")
+                "operand" + ("" if backend == "emulated" else
+                             "; measured beside the TE linears by the emulated quantizers")
                 + ")" + (f"; adaptive fallback {' -> '.join(adaptive.ladder)} after "
                          f"{adaptive.patience} windows, {adaptive.passes} passes"
                          if adaptive.enabled else ""))

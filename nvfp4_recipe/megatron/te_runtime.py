@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nvfp4_recipe.megatron.te_telemetry import TELinearTelemetry
 from nvfp4_recipe.passes import PassFormats
 from nvfp4_recipe.policy import LayerPrecision, RuntimePrecisionState
 
@@ -108,20 +109,24 @@ def te_linear_context(layer_formats: PassFormats, linear_formats: PassFormats,
 
 class TEPrecisionLinear:
     """A megatron TE linear wrapper (TELinear, TELayerNormColumnParallelLinear, ...) as a
-    `nvfp4_recipe.linear_protocol.PrecisionLinear`. TE's linears record no diagnostics, no
-    underflow telemetry and no input amax (input_amax.py); their quantized-weight cache is
-    refreshed through TE's own flag (see the module docstring). Their formats switch through
-    the runtime state their gemm context reads per forward (`switchable`: built with one)."""
+    `nvfp4_recipe.linear_protocol.PrecisionLinear`. TE's linears record no diagnostics and no
+    input amax (input_amax.py); their underflow telemetry is measured beside them
+    (`telemetry`, te_telemetry.TELinearTelemetry: every low-precision linear has one); their
+    quantized-weight cache is refreshed through TE's own flag (see the module docstring). Their
+    formats switch through the runtime state their gemm context reads per forward (`switchable`:
+    built with one)."""
 
-    def __init__(self, module: torch.nn.Module, switchable: bool = False):
+    def __init__(self, module: torch.nn.Module, switchable: bool = False,
+                 telemetry: Optional[TELinearTelemetry] = None):
         self.module = module
         self.switchable = switchable
+        self.telemetry = telemetry
 
     def take_diagnostics(self) -> dict[str, dict[str, torch.Tensor]]:
         return {}
 
     def take_telemetry(self) -> dict[str, torch.Tensor]:
-        return {}
+        return self.telemetry.take() if self.telemetry is not None else {}
 
     def set_formats(self, formats: PassFormats, gemm_config: Any = None) -> None:
         # Nothing to hold here: the linear's context reads RuntimePrecisionState.linear_formats,
@@ -129,10 +134,13 @@ class TEPrecisionLinear:
         # every forward and re-creates its quantizers when it changed (init_fp8_metadata, TE
         # v2.9 module/base.py:1007-1061; a recipe of another class also drops the cached
         # quantized weights, :1051-1061), and the backward follows the recipe its forward ran
-        # (module/linear.py:433-434), so a switch between steps reaches both.
+        # (module/linear.py:433-434), so a switch between steps reaches both. The telemetry
+        # measures the new formats from then on.
         if not self.switchable:
             raise RuntimeError("this TE linear was built without a run-time format switch "
                                "(model.build.build_model gives every low-precision linear one)")
+        if self.telemetry is not None and gemm_config is not None:
+            self.telemetry.set_configs(gemm_config)
 
     def record_input_amax(self, into: torch.Tensor) -> bool:
         return False

@@ -307,6 +307,49 @@ def test_the_controller_switches_a_te_linear_of_a_built_model(parallel_context, 
         held["layers.0.mixer.in_proj"].set_formats("nvfp4")
 
 
+def test_the_adaptive_fallback_acts_on_te_linears(parallel_context, monkeypatch):
+    """The TE path's telemetry is measured beside each quantized linear (te_telemetry.py): a
+    planted outlier channel on one linear shows in its statistics, the fallback moves exactly
+    that linear, and its next forward enters the recipe of the formats it moved to."""
+    import sys
+
+    from model import build as build_module
+    from model.config import ModelConfig
+    from nvfp4_recipe.policy import (AdaptiveConfig, AdaptiveThresholds, PrecisionConfig,
+                                     TelemetryConfig)
+    from training.precision import PrecisionController, parse_underflow_key
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from outlier_injection import plant_outlier
+
+    entered = te_stand_ins(monkeypatch, lambda formats, cfg: ("recipe", str(formats)))
+    precision = PrecisionConfig(name="nvfp4", format="nvfp4", telemetry=TelemetryConfig(every=1),
+                                adaptive=AdaptiveConfig(
+                                    enabled=True, patience=1, passes="forward",
+                                    # as tests/system/test_adaptive_runs.py watches it
+                                    thresholds=AdaptiveThresholds(flush=None, scale_underflow=0.5)))
+    built = build_module.build_model(ModelConfig(vocab_size=256), precision, vocab_size=256,
+                                     backend="te")
+    target = "layers.2.mixer.in_proj"
+    handle = plant_outlier(built.module, target, channel=0, value=1e6)
+    controller = PrecisionController(precision, built, 1, 1)
+    tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    controller.before_step(0)
+    built.module(tokens, None, None, labels=tokens).sum().backward()
+    metrics = controller.after_step(0)
+    measured = {parse_underflow_key(k)[0] for k in metrics if parse_underflow_key(k)}
+    low = {h.name for h in built.linears if h.format != "bf16"}
+    assert measured == low  # every quantized TE linear reported, from its own hooks
+    events = controller.decide(1)
+    assert [(f["module"], f["pass"]) for _, f in events] == [(target, "fprop")]
+    moved = controller.current_formats()[target]
+    assert moved.fprop == "mxfp8"
+    entered.clear()
+    built.module(tokens, None, None, labels=tokens)
+    assert entered.count(("recipe", str(moved))) == 1
+    handle.remove()
+
+
 # Last in the file: make_trainer sets up and tears down its own process group and megatron's
 # parallel state, which also ends the module's `parallel_context` the tests above share.
 def test_trainer_refreshes_before_every_step_and_evaluation(make_trainer):
