@@ -50,6 +50,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -67,7 +68,8 @@ log = logging.getLogger("nvfp4_pretrain")
 ARCHITECTURE = "NemotronHForCausalLM"
 MODEL_TYPE = "nemotron_h"
 # transformers' names of the layer kinds (configuration_nemotron_h.py:274-281).
-HF_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
+HF_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp",
+                  "moe": "moe"}
 HF_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E",
               "mamba": "M", "attention": "*"}  # the last two: 5.10.4's names (and earlier)
 # See the module docstring: the float32/bfloat16 clamp floor this rounds to is 0.
@@ -130,26 +132,59 @@ FIXED_HF_FIELDS = {
 }
 
 
-def refuse_moe(cfg: ModelConfig) -> None:
-    """HFError for a model with MoE layers: the export and import map no expert tensors yet
-    (transformers' NemotronH keeps them as mixer.experts.up_proj / down_proj [E, out, in],
-    mixer.gate.weight and e_score_correction_bias, mixer.shared_experts.*)."""
-    if cfg.moe is not None:
-        raise HFError(f"model.pattern={cfg.pattern!r} has MoE layers ('E'): the Hugging Face "
-                      "export and import do not map expert weights yet")
+def moe_hf_fields(cfg: ModelConfig) -> dict:
+    """The NemotronH config.json keys of the model's MoE layers ({} without any). transformers'
+    router (NemotronHTopkRouter, modeling_nemotron_h.py:854-892 in 5.24.0) picks the top-k of
+    sigmoid scores plus e_score_correction_bias, weighs the chosen experts by their sigmoid
+    scores, normalised to sum 1 when norm_topk_prob, times routed_scaling_factor: megatron's
+    sigmoid routing (mc 0.16.1 transformer/moe/moe_utils.py:716-729), which normalises when
+    top-k > 1 and scales by moe_router_topk_scaling_factor. One expert group (n_group =
+    topk_group = 1: every expert eligible) and no latent projection, as this project builds."""
+    moe = cfg.moe
+    if moe is None:
+        return {}
+    return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+            "moe_intermediate_size": moe.ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+            "routed_scaling_factor": moe.topk_scaling_factor or 1.0,
+            "norm_topk_prob": moe.topk > 1, "n_group": 1, "topk_group": 1,
+            "moe_latent_size": None}
+
+
+# transformers' defaults of the MoE keys a config.json may leave out
+# (configuration_nemotron_h.py:133-144 in 5.24.0)
+MOE_HF_DEFAULTS = {"routed_scaling_factor": 1.0, "norm_topk_prob": True, "n_group": 1,
+                   "topk_group": 1, "moe_latent_size": None}
+
+
+def refuse_unmappable_moe(cfg: ModelConfig, key: str = "model") -> None:
+    """HFError for MoE layers transformers' NemotronH cannot represent: softmax scores (its
+    router is sigmoid only) or no shared expert (its MoE layer always has one)."""
+    moe = cfg.moe
+    if moe is None:
+        return
+    if str(moe.score_function) != "sigmoid":
+        raise HFError(f"{key}: model.moe.score_function={moe.score_function}: transformers' "
+                      "NemotronH routes with sigmoid scores only, so the model has no Hugging "
+                      "Face form")
+    if moe.shared_expert_ffn_hidden_size is None:
+        raise HFError(f"{key}: model.moe.shared_expert_ffn_hidden_size=null: transformers' "
+                      "NemotronH MoE layers always have a shared expert, so the model has no "
+                      "Hugging Face form")
 
 
 def hf_config_fields(cfg: ModelConfig, vocab_size: int, *, eos_token_id: Optional[int],
                      bos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
                      dtype: str = "bfloat16") -> dict:
     """The `NemotronHConfig` fields of this model (what config.json says)."""
-    refuse_moe(cfg)
+    refuse_unmappable_moe(cfg, "the Hugging Face export")
     d_inner = _d_inner(cfg)
     return {
         "vocab_size": vocab_size,
         "layers_block_type": [HF_LAYER_TYPES[k] for k in cfg.layer_kinds()],
         **{theirs: getattr(cfg, ours) for ours, theirs, _ in HF_FIELDS},
         **{key: ours for key, (ours, _) in FIXED_HF_FIELDS.items()},
+        **moe_hf_fields(cfg),
         # Not read by the mixer (its width is mamba_num_heads x mamba_head_dim,
         # modeling_nemotron_h.py:405); recorded as megatron's expand when it is a whole number.
         "expand": d_inner // cfg.hidden_size if d_inner % cfg.hidden_size == 0 else 2,
@@ -176,15 +211,38 @@ def hf_config(cfg: ModelConfig, vocab_size: int, **ids):
     return config
 
 
+# transformers' NemotronH holds each MoE layer's routed experts as one [experts, out, in] tensor
+# per projection; NVIDIA's checkpoints, transformers' save_pretrained and vLLM's nemotron_h store
+# one tensor per expert (the nemotron_h conversion mapping, transformers conversion_mapping.py:
+# 1783-1798 in 5.24.0).
+_EXPERT_STACK = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")
+_EXPERT_STORED = "{experts}.{index}.{proj}.weight"
+
+
+def split_experts(tensors: Mapping[str, object], part: Callable = lambda t, e: t[e]) -> dict:
+    """`tensors` with each expert stack as the per-expert tensors stored (`part(value, e)`: the
+    e-th expert's value; `lambda shape, e: shape[1:]` splits a {name: shape} map)."""
+    out = {}
+    for name, value in tensors.items():
+        stack = _EXPERT_STACK.match(name)
+        if stack is None:
+            out[name] = value
+            continue
+        for e in range(value[0] if isinstance(value, tuple) else value.shape[0]):
+            out[_EXPERT_STORED.format(experts=stack[1], index=e, proj=stack[2])] = part(value, e)
+    return out
+
+
 def save_safetensors(directory: Path, tensors: Mapping[str, torch.Tensor],
                      max_shard_size: int | str) -> None:
     """model.safetensors (or shards with model.safetensors.index.json), tensor names as
-    transformers 5 saves NemotronH (`model.` as `backbone.`, NVIDIA's published names)."""
+    transformers 5 saves NemotronH (`model.` as `backbone.`, NVIDIA's published names; one
+    tensor per routed expert)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     named = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
-             for k, v in tensors.items()}
+             for k, v in split_experts(tensors).items()}
     split = split_torch_state_dict_into_shards(named, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: named[n] for n in names}, str(Path(directory) / filename),
@@ -240,6 +298,10 @@ def config_mismatches(hf: Mapping, cfg: ModelConfig, vocab_size: Optional[int]) 
             continue  # a size of a layer kind neither pattern has
         if hf.get(theirs) != getattr(cfg, ours):
             found.append(f"model.{ours}={getattr(cfg, ours)} but {theirs}={hf.get(theirs)}")
+    for key, ours in moe_hf_fields(cfg).items():
+        if hf.get(key, MOE_HF_DEFAULTS.get(key)) != ours:
+            found.append(f"the model's MoE layers have {key}={ours!r} (model.moe) but the "
+                         f"checkpoint's {hf.get(key, MOE_HF_DEFAULTS.get(key))!r}")
     if vocab_size is not None and hf.get("vocab_size") != vocab_size:
         found.append(f"the model's vocabulary is {vocab_size} (model.vocab_size, or the "
                      f"data.tokenizer's size when null) but vocab_size={hf.get('vocab_size')}")
@@ -272,11 +334,11 @@ def check_init_from(cfg: ModelConfig, vocab_size: Optional[int] = None) -> dict:
     once the data's tokenizer is known, as model.vocab_size may be null). Raises HFError naming
     every mismatching field. Returns the config.json fields.
     """
-    refuse_moe(cfg)
     hf_dir = Path(cfg.init_from).expanduser()
     if (hf_dir / "config.yaml").is_file() and not (hf_dir / "config.json").exists():
         return {}  # a train.py run directory: training/init_from.py checks and reads it
     hf = read_hf_config(hf_dir)
+    refuse_unmappable_moe(cfg, f"model.init_from={hf_dir}")
     problems = config_mismatches(hf, cfg, vocab_size)
     if problems:
         raise HFError(f"model.init_from={hf_dir}: its config.json does not match the model "
@@ -303,7 +365,21 @@ def _conv_parts(cfg: ModelConfig) -> list[tuple[str, int]]:
     return _in_proj_parts(cfg)[1:4]
 
 
-_NORM_OF = {"mamba": "norm", "attention": "input_layernorm", "mlp": "pre_mlp_layernorm"}
+_NORM_OF = {"mamba": "norm", "attention": "input_layernorm", "mlp": "pre_mlp_layernorm",
+            "moe": "pre_mlp_layernorm"}
+# An MoE layer's tensors (megatron's MoELayer; its SequentialMLP checkpoints the experts as one
+# [experts, out, in] tensor per linear, mc 0.16.1 transformer/moe/experts.py sharded_state_dict)
+# -> transformers' NemotronHMoE's (modeling_nemotron_h.py:810-852: experts.up_proj / down_proj
+# [experts, out, in], gate.weight and e_score_correction_bias in FP32, shared_experts.*).
+_MOE_NAMES = {"mlp.router.weight": "mixer.gate.weight",
+              "mlp.router.expert_bias": "mixer.gate.e_score_correction_bias",
+              "mlp.experts.experts.linear_fc1.weight": "mixer.experts.up_proj",
+              "mlp.experts.experts.linear_fc2.weight": "mixer.experts.down_proj",
+              "mlp.shared_experts.linear_fc1.weight": "mixer.shared_experts.up_proj.weight",
+              "mlp.shared_experts.linear_fc2.weight": "mixer.shared_experts.down_proj.weight"}
+# transformers keeps these in FP32 whatever the model's dtype (_keep_in_fp32_modules_strict,
+# modeling_nemotron_h.py:1106)
+_FP32_HF_TENSORS = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")
 # Names Transformer Engine layer specs (GPU runs) give the pre-norms fused into the first linear:
 # megatron's TE hybrid spec builds in_proj / linear_qkv / linear_fc1 as
 # TELayerNormColumnParallelLinear and leaves the layer's own norm an IdentityOp (mc 0.16.1
@@ -384,6 +460,14 @@ def to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -
             out[dst + "mixer.k_proj.weight"] = k
             out[dst + "mixer.v_proj.weight"] = v
             out[dst + "mixer.o_proj.weight"] = full[src + "self_attention.linear_proj.weight"]
+        elif kind == "moe":
+            for ours, theirs in _MOE_NAMES.items():
+                if src + ours in full:
+                    out[dst + theirs] = full[src + ours]
+            if src + "mlp.router.expert_bias" not in full:  # built without the expert bias
+                out[dst + "mixer.gate.e_score_correction_bias"] = torch.zeros(cfg.moe.num_experts)
+            for name in _FP32_HF_TENSORS:
+                out[dst + name] = out[dst + name].float()
         else:
             out[dst + "mixer.up_proj.weight"] = full[src + "mlp.linear_fc1.weight"]
             out[dst + "mixer.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"]
@@ -428,6 +512,8 @@ def from_hf(key: str, hf: Callable[[str], torch.Tensor], cfg: ModelConfig,
                           hf(dst + "mixer.k_proj.weight").reshape(g, 1, d, h),
                           hf(dst + "mixer.v_proj.weight").reshape(g, 1, d, h)],
                          dim=1).reshape(-1, h)
+    if kind == "moe" and rest in _MOE_NAMES:
+        return hf(dst + _MOE_NAMES[rest])
     names = {"self_attention.linear_proj.weight": "mixer.o_proj.weight",
              "mlp.linear_fc1.weight": "mixer.up_proj.weight",
              "mlp.linear_fc2.weight": "mixer.down_proj.weight"}
@@ -585,6 +671,10 @@ def tensor_mismatches(hf_dir: Path, stored: Mapping[str, tuple]) -> list[str]:
     config = NemotronHConfig.from_json_file(str(hf_dir / "config.json"))
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in NemotronHForCausalLM(config).state_dict().items()}
+    # compared as stored: one tensor per routed expert (a stack stored whole is split too)
+    by_expert = lambda shape, e: tuple(shape[1:])  # noqa: E731
+    expected = split_experts(expected, by_expert)
+    stored = split_experts({k: tuple(v) for k, v in stored.items()}, by_expert)
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(k for k in expected if k not in stored and k not in optional)
     extra = sorted(k for k in stored if k not in expected and not _is_mtp(k))
@@ -615,6 +705,14 @@ class SafetensorsWeights:
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         if layer != self._cache_layer:
             self._cache, self._cache_layer = {}, layer
+        stack = _EXPERT_STACK.match(name)
+        if name not in self.files and stack is not None:  # stored one tensor per expert
+            experts = []
+            while (part := _EXPERT_STORED.format(experts=stack[1], index=len(experts),
+                                                 proj=stack[2])) in self.files:
+                experts.append(self(part))
+            if experts:
+                return torch.stack(experts)
         if name not in self._cache:
             if name not in self.files:
                 raise HFError(f"model.init_from={self.dir}: it has no tensor {name}")
@@ -661,6 +759,13 @@ def load_hf_weights(module: torch.nn.Module, cfg: ModelConfig, vocab_size: int,
     load_full_tensors(module, lambda key, shape: from_hf(key, weights, cfg, shape))
     first, last = module.pre_process, module.post_process
     if first and last and len(getattr(module.decoder, "layers", [])) == cfg.num_layers:
+        for i, kind in enumerate(cfg.layer_kinds()):
+            if kind == "moe" and not cfg.moe.expert_bias:  # transformers' bias must be zeros
+                bias = weights(f"model.layers.{i}.mixer.gate.e_score_correction_bias")
+                if bool(bias.any()):
+                    raise HFError(f"model.init_from={hf_dir}: layer {i}'s "
+                                  "e_score_correction_bias is not zero but model.moe."
+                                  "expert_bias=false: set it true to import the bias")
         unread = weights.unread()  # only a rank holding the whole model can tell
         if unread:
             raise HFError(f"model.init_from={hf_dir}: tensors this model has no place for: "

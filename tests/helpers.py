@@ -136,9 +136,15 @@ def model_full_tensors(module) -> dict:
     sharded, _ = _sharded_tensors(module)
     out = {}
     for sh in nested_values(sharded):
-        if isinstance(sh, ShardedTensor):
-            assert tuple(sh.local_shape) == tuple(sh.global_shape), f"{sh.key} is sharded"
-            out[canonical_key(sh.key)] = sh.data.detach()
+        if not isinstance(sh, ShardedTensor):
+            continue
+        key = canonical_key(sh.key)
+        if sh.prepend_axis_num:  # an MoE layer's experts: one [experts, out, in] tensor
+            full = out.setdefault(key, sh.data.new_empty(sh.global_shape))
+            full[sh.global_slice()] = sh.data.detach()
+            continue
+        assert tuple(sh.local_shape) == tuple(sh.global_shape), f"{sh.key} is sharded"
+        out[key] = sh.data.detach()
     return out
 
 

@@ -48,7 +48,8 @@ from data.demo import ensure_demo_corpus
 from data.tokenizer import EOD_TOKEN
 from errors import ExitCode, ProjectError
 from model import hf_nvfp4
-from model.hf import HF_EXTRA_HINT, HFError, hf_config, not_replaceable, to_hf, write_hf_dir
+from model.hf import (HF_EXTRA_HINT, HFError, hf_config, not_replaceable, refuse_unmappable_moe,
+                      to_hf, write_hf_dir)
 from nvfp4_recipe.megatron.input_amax import running_input_amax
 from training.run_reader import RunFiles, pick_checkpoint, read_checkpoint_weights, read_run
 
@@ -273,6 +274,10 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     _check_output(output, overwrite, run_dir)  # first: nothing below may touch a run
     shard_bytes = parse_max_shard_size(max_shard_size)
     files = read_run(run_dir)
+    refuse_unmappable_moe(files.model, "the Hugging Face export")
+    if files.model.moe is not None and weights != "bf16":
+        raise HFError(f"--weights {weights}: the run has MoE layers, whose expert weights the "
+                      "serving export does not pack yet; --weights bf16 exports them")
     formats = serving_formats(files, weights) if weights != "bf16" else None
     checkpoint = pick_checkpoint(run_dir, step)
     if formats is not None:

@@ -377,16 +377,6 @@ def test_a_te_start_refuses_an_moe_model(parallel_context, monkeypatch, tmp_path
     assert not run_dir.exists()
 
 
-def test_the_hf_export_and_import_refuse_moe_models_naming_them(tmp_path):
-    from model import hf
-
-    with pytest.raises(hf.HFError, match=r"^model.pattern='ME\*E' has MoE layers \('E'\): the "
-                                         "Hugging Face export and import do not map expert"):
-        hf.hf_config_fields(TINY, 256, eos_token_id=2)
-    with pytest.raises(hf.HFError, match="do not map expert weights"):
-        hf.check_init_from(dataclasses.replace(TINY, init_from=str(tmp_path)))
-
-
 def test_the_nemotron3_precision_map_covers_the_moe_layers():
     """precision=nvfp4_nemotron3 on Nano: the last 15 % of the 52 layers (8, rounded up) BF16,
     every expert and shared-expert linear elsewhere the recipe's NVFP4 (no override names them),

@@ -35,3 +35,30 @@ def test_demo_moe_trains_in_nvfp4_and_reports_expert_load(tmp_path, data_cache):
     assert sum(line.startswith("expert load: max/mean ") for line in proc.stdout.splitlines()) == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step_0000004", "step_0000008"]
+
+    # The run exports to transformers' NemotronH (one tensor per routed expert, as NVIDIA's
+    # checkpoints store them), which loads it and generates; the serving formats refuse experts.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_helpers import load_safetensors
+    from model import hf
+    from tools import hf_export
+    from training import run_reader
+
+    out = tmp_path / "hf"
+    hf_export.export(run_dir, out)
+    full = run_reader.read_checkpoint_weights(run_dir / "checkpoints" / "step_0000008")
+    cfg = run_reader.read_run(run_dir).model
+    expected = {k.replace("model.", "backbone.", 1): v
+                for k, v in hf.split_experts(hf.to_hf(full, cfg, 4096)).items()}
+    written = load_safetensors(out)
+    assert "backbone.layers.8.mixer.experts.7.down_proj.weight" in written
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 8)
+    assert hf_export.main([str(run_dir), "--output", str(tmp_path / "served"),
+                           "--weights", "nvfp4"]) == 2
+    assert not (tmp_path / "served").exists()
