@@ -29,6 +29,12 @@ optimizer, megatron/training/theoretical_memory_usage.py:293-296 at core_v0.19.0
                 (model/memory_model.py's QUANTIZED_BYTES_PER_ELEMENT; an estimate of TE's
                 workspaces; BF16 linears keep none; MXFP4 has no TE recipe).
 
+MoE layers' routed experts (built whole, at expert parallel 1): P_experts / (EP x ETP) per rank,
+    their optimizer state sharded over the expert data-parallel group (world / (EP x ETP x PP))
+    with trainer.distributed_optimizer, as megatron's distributed optimizer shards expert
+    parameters; plan.json's `experts` adds the all-to-all bytes one rank sends per step
+    (all_to_all_bytes).
+
 Micro-batches in flight
     in_flight = min(p - stage, micro-batches per step): megatron's 1F1B schedule holds up to
     p - stage micro-batches of activations on a stage (1 when p = 1).
@@ -226,6 +232,12 @@ class _Layout:
     sequence_parallel: bool
     distributed_optimizer: bool
     optimizer_shards: int  # d_opt of the module docstring
+    # MoE layers' routed experts (1, tensor, data and d_opt without any): split over
+    # expert_parallel ranks, each expert over expert_tensor ranks, replicated over expert_data
+    expert_parallel: int = 1
+    expert_tensor: int = 1
+    expert_data: int = 1
+    expert_optimizer_shards: int = 1  # d_opt of the experts: expert_data, distributed
 
 
 def _layout(cfg, plan: PlanConfig) -> _Layout:
@@ -247,10 +259,20 @@ def _layout(cfg, plan: PlanConfig) -> _Layout:
         raise ValueError(f"plan.mfu={plan.mfu} must be in (0, 1] and plan.peak_tflops="
                          f"{plan.peak_tflops} positive")
     distributed = bool(getattr(tr, "distributed_optimizer", False))
+    ep, etp = 1, t
+    if cfg.model.moe is not None:
+        ep = getattr(par, "expert_model_parallel_size", 1)
+        etp = getattr(par, "expert_tensor_parallel_size", None) or t
+        if gpus % (ep * etp * p):
+            raise ValueError(f"plan.gpus={gpus} is not a multiple of expert parallel {ep} x "
+                             f"expert tensor parallel {etp} x pipeline {p}")
+    edp = gpus // (ep * etp * p)
     return _Layout(gpus=gpus, tensor=t, pipeline=p, data=dp,
                    micro_batches=tr.global_batch_size // (tr.micro_batch_size * dp),
                    sequence_parallel=bool(par.sequence) and t > 1,
-                   distributed_optimizer=distributed, optimizer_shards=dp if distributed else 1)
+                   distributed_optimizer=distributed, optimizer_shards=dp if distributed else 1,
+                   expert_parallel=ep, expert_tensor=etp, expert_data=edp,
+                   expert_optimizer_shards=edp if distributed else 1)
 
 
 @dataclass
@@ -260,7 +282,8 @@ class _Parameters:
 
     layers: list[dict[str, Any]]
     linear_counts: dict[str, int]  # linears per format
-    layer_per_rank: list[int]
+    layer_per_rank: list[int]  # routed experts included
+    layer_expert_per_rank: list[int]  # the routed experts' share of layer_per_rank
     layer_lowp_weights: list[dict[str, int]]  # {format: weight elements per rank}
     total: int
     embedding: tuple[int, int]
@@ -269,15 +292,19 @@ class _Parameters:
     gemm: int  # the weights model/flops.py counts
 
 
-def _count_parameters(built, m, tensor: int, vocab_padded: int) -> _Parameters:
+def _count_parameters(built, m, layout: _Layout, vocab_padded: int) -> _Parameters:
     """Counts the built model's parameters, and checks that every built linear has the format
-    the precision policy chose and that the FLOP model sees the GEMMs that were built."""
+    the precision policy chose and that the FLOP model sees the GEMMs that were built. The
+    routed experts of an MoE layer (built whole, at expert parallel 1) count per rank over
+    expert parallel x expert tensor parallel."""
     module = built.module
+    tensor = layout.tensor
+    expert_split = layout.expert_parallel * layout.expert_tensor
     sharded = sharded_param_ids(module)
     decisions = built.policy.layers()
     kinds = m.layer_kinds()
     layers, counts = [], {}
-    layer_rank_params, layer_lowp = [], []
+    layer_rank_params, layer_expert_params, layer_lowp = [], [], []
     for i, layer in enumerate(module.decoder.layers):
         linears, lowp = {}, {}
         for name in built.policy.linear_names.get(kinds[i], ()):  # an MoE layer's are the model's
@@ -290,9 +317,23 @@ def _count_parameters(built, m, tensor: int, vocab_padded: int) -> _Parameters:
             counts[fmt] = counts.get(fmt, 0) + 1
             if fmt != "bf16":
                 n = sub.weight.numel()
-                lowp[fmt] = lowp.get(fmt, 0) + (n // tensor if id(sub.weight) in sharded else n)
+                if ".experts." in name:  # a routed expert's
+                    n //= expert_split
+                elif id(sub.weight) in sharded:
+                    n //= tensor
+                lowp[fmt] = lowp.get(fmt, 0) + n
         full, rank = parameter_counts(layer, sharded, tensor)
+        experts = 0
+        if kinds[i] == "moe":
+            routed, routed_by_tensor = parameter_counts(layer.mlp.experts, sharded, tensor)
+            if routed % expert_split:
+                raise ValueError(f"layer {i}'s routed experts ({routed:,} parameters) do not "
+                                 f"split over expert parallel x expert tensor parallel "
+                                 f"{expert_split}")
+            experts = routed // expert_split
+            rank += experts - routed_by_tensor
         layer_rank_params.append(rank)
+        layer_expert_params.append(experts)
         layer_lowp.append(lowp)
         formats = set(linears.values())
         layers.append({"index": i, "kind": kinds[i],
@@ -308,7 +349,7 @@ def _count_parameters(built, m, tensor: int, vocab_padded: int) -> _Parameters:
         raise AssertionError(f"built GEMM weights {gemm_full:,} != model/flops.py's "
                              f"{gemm_weights(m, vocab_padded):,}")
     return _Parameters(layers=layers, linear_counts=counts, layer_per_rank=layer_rank_params,
-                       layer_lowp_weights=layer_lowp,
+                       layer_expert_per_rank=layer_expert_params, layer_lowp_weights=layer_lowp,
                        total=sum(q.numel() for q in module.parameters()), embedding=embedding,
                        output_layer=output_layer, final_norm=final_norm, gemm=gemm_full)
 
@@ -343,6 +384,7 @@ def _stage_rows(cfg, layout: _Layout, params: _Parameters, backend: str, recompu
     rows = []
     for r, st in enumerate(stages):
         n_params = sum(params.layer_per_rank[i] for i in st)
+        n_experts = sum(params.layer_expert_per_rank[i] for i in st)
         if r == 0:
             n_params += params.embedding[1]
         last = r == p - 1
@@ -356,7 +398,9 @@ def _stage_rows(cfg, layout: _Layout, params: _Parameters, backend: str, recompu
                         raise ValueError(f"{fmt} linears do not run on TE (layer {i}): plan with "
                                          "plan.backend=emulated")
                     te_cache += TE_WEIGHT_CACHE_BYTES[fmt] * n
-        opt_elems = -(-n_params // layout.optimizer_shards)
+        # the distributed optimizer shards the experts over their own data-parallel group
+        opt_elems = (-(-(n_params - n_experts) // layout.optimizer_shards)
+                     + -(-n_experts // layout.expert_optimizer_shards))
         static = {"weights": BYTES_WEIGHT * n_params, "main_grads": BYTES_MAIN_GRAD * n_params,
                   "optimizer": BYTES_OPTIMIZER * opt_elems, "te_weight_cache": round(te_cache)}
         acts = stage_activation_bytes([act_layer[i] for i in st], input_bytes, recompute)
@@ -371,7 +415,10 @@ def _stage_rows(cfg, layout: _Layout, params: _Parameters, backend: str, recompu
         static_total = sum(static.values())
         rows.append({
             "stage": r, "layers": [st.start, st.stop - 1] if len(st) else [],
-            "parameters_per_rank": n_params, "optimizer_elements_per_rank": opt_elems,
+            "parameters_per_rank": n_params, "expert_parameters_per_rank": n_experts,
+            "optimizer_elements_per_rank": opt_elems,
+            "all_to_all_bytes_per_step": all_to_all_bytes(
+                cfg, layout, sum(kinds[i] == "moe" for i in st)),
             "in_flight_micro_batches": in_flight,
             "static_bytes": static_total, **{f"{k}_bytes": v for k, v in static.items()},
             "kept_per_micro_batch_bytes": kept, "activation_bytes": in_flight * kept,
@@ -379,6 +426,25 @@ def _stage_rows(cfg, layout: _Layout, params: _Parameters, backend: str, recompu
             "transient_bytes": transient,
             "total_bytes": static_total + max(end_of_forward, recompute_peak, transient)})
     return rows, per_token, input_bytes
+
+
+def all_to_all_bytes(cfg, layout: _Layout, moe_layers: int) -> int:
+    """Bytes one rank sends in the MoE token all-to-alls of an optimizer step, at expert
+    parallel > 1 (0 otherwise). megatron's all-to-all dispatcher sends each of the rank's
+    tokens' hidden states (BF16) to the ranks holding its top-k experts, and the combine sends
+    the expert outputs back (mc 0.16.1 transformer/moe/token_dispatcher.py:647-672, 787-815);
+    the backward runs both again on the gradients. With the load balanced, (EP - 1) / EP of the
+    top-k copies leave the rank. Tokens per rank: the micro-batch's, over the tensor-parallel
+    ranks under sequence parallelism. The routing probabilities (FP32, top-k per token) and the
+    token-count exchange are left out (below 1 / h of it)."""
+    ep = layout.expert_parallel
+    if ep == 1 or not moe_layers:
+        return 0
+    tr, m = cfg.trainer, cfg.model
+    tokens = tr.micro_batch_size * tr.seq_length // (layout.tensor if layout.sequence_parallel
+                                                     else 1)
+    per_pass = tokens * m.moe.topk * m.hidden_size * BYTES_ACTIVATION * (ep - 1) // ep
+    return 4 * per_pass * moe_layers * layout.micro_batches  # dispatch + combine, fwd + bwd
 
 
 def _memory(cfg, layout: _Layout, stage_rows: list[dict[str, Any]], per_token: dict[str, float],
@@ -413,6 +479,17 @@ def _memory(cfg, layout: _Layout, stage_rows: list[dict[str, Any]], per_token: d
         "recompute": dataclasses.asdict(recompute),
         "stages": stage_rows,
     }
+
+
+def _experts(layout: _Layout, stage_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """plan.json's `experts` (MoE models): how the routed experts split, and the busiest
+    stage's expert parameters and all-to-all bytes per rank and step."""
+    busiest = max(stage_rows, key=lambda row: row["total_bytes"])
+    return {"expert_parallel": layout.expert_parallel,
+            "expert_tensor_parallel": layout.expert_tensor,
+            "expert_data_parallel": layout.expert_data,
+            "expert_parameters_per_rank": busiest["expert_parameters_per_rank"],
+            "all_to_all_gib_per_step": _gib(busiest["all_to_all_bytes_per_step"])}
 
 
 def _time(cfg, plan: PlanConfig, layout: _Layout, flops_per_token: float) -> dict[str, Any]:
@@ -462,7 +539,7 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, policy=None) -> dict[str,
     vocab, vocab_source = resolve_vocab(cfg)
     vocab_padded = padded_vocab_size(vocab, m.vocab_multiple, layout.tensor)
     built = _build_meta(cfg, vocab_padded, policy)
-    params = _count_parameters(built, m, layout.tensor, vocab_padded)
+    params = _count_parameters(built, m, layout, vocab_padded)
     stage_rows, per_token, input_bytes = _stage_rows(cfg, layout, params, backend, recompute,
                                                      vocab_padded)
     memory = _memory(cfg, layout, stage_rows, per_token, input_bytes, backend, recompute)
@@ -474,6 +551,7 @@ def build_plan(cfg, plan: Optional[PlanConfig] = None, policy=None) -> dict[str,
         "parameters": params.total,
         # what one token passes through: all but the routed experts it is not sent to
         "active_parameters": params.total - inactive_parameters(m),
+        **({"experts": _experts(layout, stage_rows)} if m.moe is not None else {}),
         "parameters_per_rank": max(row["parameters_per_rank"] for row in stage_rows),
         "vocab_size": vocab, "vocab_size_padded": vocab_padded, "vocab_source": vocab_source,
         "pattern": m.pattern,
@@ -514,6 +592,15 @@ _VERDICT_TEXT = {"ok": "clean", "slower": "slower path", "fail": "would fail"}
 
 def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1]
+
+
+def _describe_experts(plan: dict) -> str:
+    ex = plan["experts"]
+    return (f"{plan['active_parameters']:,} of {plan['parameters']:,} parameters active per token; "
+            f"routed experts over expert parallel {ex['expert_parallel']} x expert tensor "
+            f"{ex['expert_tensor_parallel']} (expert data parallel {ex['expert_data_parallel']}): "
+            f"{ex['expert_parameters_per_rank']:,} expert parameters / rank; all-to-all "
+            f"{ex['all_to_all_gib_per_step']} GiB sent / rank / step")
 
 
 def print_plan(plan: dict, console=None) -> None:
@@ -558,6 +645,7 @@ def print_plan(plan: dict, console=None) -> None:
                    f"data {tm['data']}; {mem['micro_batches_per_step']} micro-batches of "
                    f"{mem['micro_batch_size']} x {mem['seq_length']} per step"),
         ("params / rank", f"{mem['parameters_per_rank']:,} (stage {mem['stage']})"),
+        *([("experts", _describe_experts(plan))] if "experts" in plan else []),
         ("memory / rank", f"{plan['memory_per_rank_gib']:.2f} GiB at the {mem['peak_phase']} "
                           f"(stage {mem['stage']}) = static {mem['static_gib']} + "
                           f"{plan['memory_per_rank_gib'] - mem['static_gib']:.3f} GiB"),

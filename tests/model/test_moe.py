@@ -240,6 +240,41 @@ def test_the_preflight_checks_every_expert_gemm(parallel_context):
     assert {c.backend for c in both.checks} == {"emulated"}
 
 
+def test_the_plan_splits_routed_experts_and_counts_the_all_to_all(parallel_context, tmp_path):
+    """demo_moe on 4 GPUs: its 4 MoE layers hold 8 routed experts of 2 x 256 x 256 weights each
+    (4,194,304 in all); at expert parallel 4 a rank keeps a quarter of them, the distributed
+    optimizer shards them over their own data-parallel group (4 / 4 = 1), and each micro-batch's
+    tokens cross the ranks four times per MoE layer (dispatch and combine, forward and backward),
+    3/4 of their top-2 copies to other ranks."""
+    from helpers import train_config
+    from training.plan import PlanConfig, build_plan
+
+    cfg = train_config("demo_moe", PrecisionConfig(), micro_batch_size=2, global_batch_size=16,
+                       run_dir=tmp_path)
+    cfg.trainer.distributed_optimizer = True
+    whole = build_plan(cfg, PlanConfig(gpus=4))
+    cfg.parallel.expert_model_parallel_size = 4
+    split = build_plan(cfg, PlanConfig(gpus=4))
+    routed = 4 * 8 * 2 * 256 * 256
+    assert whole["experts"]["expert_parameters_per_rank"] == routed
+    assert split["experts"]["expert_parameters_per_rank"] == routed // 4
+    assert whole["parameters_per_rank"] - split["parameters_per_rank"] == routed * 3 // 4
+    assert split["parameters"] == whole["parameters"]  # the model is the same
+    row_whole, row_split = whole["memory"]["stages"][0], split["memory"]["stages"][0]
+    dense = whole["parameters_per_rank"] - routed
+    assert row_whole["optimizer_elements_per_rank"] == -(-dense // 4) + -(-routed // 4)
+    assert row_split["optimizer_elements_per_rank"] == -(-dense // 4) + routed // 4
+    assert (split["experts"]["expert_data_parallel"], whole["experts"]["expert_data_parallel"]) \
+        == (1, 4)
+    tokens, micro_batches = 2 * cfg.trainer.seq_length, 16 // (2 * 4)
+    want = 4 * tokens * 2 * 256 * 2 * 3 // 4 * 4 * micro_batches
+    assert row_split["all_to_all_bytes_per_step"] == want
+    assert row_whole["all_to_all_bytes_per_step"] == 0
+    # a layout the experts cannot split into is refused naming the values
+    with pytest.raises(ValueError, match=r"plan.gpus=2 is not a multiple of expert parallel 4"):
+        build_plan(cfg, PlanConfig(gpus=2))
+
+
 # -- Nemotron 3 Nano -------------------------------------------------------------------------------
 
 # Published: 31.6B parameters, 3.2B active per token, 3.6B with embeddings (the model card of
