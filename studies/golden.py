@@ -110,6 +110,24 @@ def train(precision: str, run_dir: Path, cache_dir: Path | None = None) -> list[
     return losses_of(run_dir)
 
 
+# Files made before this field: on the AMD EPYC (AVX512-BF16, no AMX) or with FP32 GEMMs.
+DEFAULT_BF16_KERNELS = "avx512_bf16"
+
+
+def bf16_gemm_kernels() -> str:
+    """Which oneDNN kernel family multiplies BF16 on this CPU: "amx" (AMX tiles), "avx512_bf16"
+    or "none" (no BF16 instructions: FP32 GEMMs). Both report torch's cpu_capability AVX512,
+    but they sum in another order: the golden losses are exact within one family only (an
+    Intel Xeon with AMX moved the bf16 file's step 1 by 7.6e-5, 2026-12-03)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "none"
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else "none"
+
+
 def made_on(gemm_compute: str, machine: str) -> str:
     """The golden file's plain statement of what made it (gemm_compute as gemm_compute_here())."""
     how = ("BF16 GEMMs multiplied in BF16 (native BF16 instructions)" if gemm_compute == "bf16"
@@ -148,7 +166,7 @@ def regenerate(precisions: list[str] = PRECISIONS) -> None:
                 "command": "OMP_NUM_THREADS=1 python train.py run.dir=<tmp> " + " ".join(overrides(p)),
                 "overrides": overrides(p), "env": ENV,
                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                "gemm_compute": gemm_compute_here(),
+                "gemm_compute": gemm_compute_here(), "bf16_gemm_kernels": bf16_gemm_kernels(),
                 "made_on": made_on(gemm_compute_here(), machine_summary()),
                 "python": platform.python_version(),
                 "tokenizers": tokenizers.__version__, "corpus_key": key, "corpus_tokens_sha256": tokens,
@@ -157,7 +175,8 @@ def regenerate(precisions: list[str] = PRECISIONS) -> None:
                 "note": "regenerate with `python -m studies.golden --regenerate`; compared by "
                         "tests/system/test_golden_losses.py: on the same corpus tokens "
                         "(corpus_tokens_sha256), "
-                        "exactly when torch, cpu_capability and gemm_compute match, else within "
+                        "exactly when torch, cpu_capability, gemm_compute and (for BF16 GEMMs) "
+                        "bf16_gemm_kernels match, else within "
                         "tolerance_other_builds (absolute, per step)",
             }
             (GOLDEN_DIR / f"{p}.json").write_text(json.dumps(record, indent=1) + "\n")

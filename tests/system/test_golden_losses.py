@@ -101,9 +101,13 @@ def check_golden(precision, gemm, golden_runs):
     # order) while torch still reports the CPU's capability: that is another build here (the
     # mxfp8 file, made on AVX-512, moved by up to 8.6e-4 under AVX2 limits, 2026-12-03).
     kernels_limited = any(os.environ.get(v) for v in ISA_LIMITS)
-    same_build = (torch.__version__ == ref["torch"] and not kernels_limited
+    gemm_run = GEMM_HERE if gemm == "auto" else gemm
+    # AMX and AVX512-BF16 kernels multiply BF16 in another order (studies.golden.bf16_gemm_kernels)
+    same_kernels = gemm_run != "bf16" or (ref.get("bf16_gemm_kernels", golden.DEFAULT_BF16_KERNELS)
+                                          == golden.bf16_gemm_kernels())
+    same_build = (torch.__version__ == ref["torch"] and not kernels_limited and same_kernels
                   and torch.backends.cpu.get_cpu_capability() == ref["cpu_capability"]
-                  and (GEMM_HERE if gemm == "auto" else gemm) == ref["gemm_compute"])
+                  and gemm_run == ref["gemm_compute"])
     if same_build:
         assert losses == ref["losses"], (
             f"same torch {torch.__version__} but different losses (first differing step "
