@@ -101,6 +101,7 @@ its per-layer MIXED_PRECISION layout. The export says which (its log and nvfp4_e
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -111,7 +112,7 @@ from nvfp4_recipe.mxfp8 import MX_BLOCK, quantize_mxfp8
 from nvfp4_recipe.nvfp4 import BLOCK, quantize_nvfp4, tensor_scales
 
 from .config import ModelConfig
-from .hf import HFError, _in_proj_parts, split_qkv
+from .hf import HFError, _in_proj_parts, split_experts, split_qkv
 
 FORMATS = ("compressed-tensors", "modelopt")
 MXFP8_FORMAT = "mxfp8-quantized"  # compressed-tensors' name for MXFP8 weights (module docstring)
@@ -129,6 +130,102 @@ HF_MODULES = {
     "mlp.linear_fc1": ("mixer.up_proj",),
     "mlp.linear_fc2": ("mixer.down_proj",),
 }
+
+
+# An MoE layer's linears (model/config.py's names; transformers' NemotronHMoE modules). The routed
+# experts are stored one module per expert, as NVIDIA's checkpoints and vLLM's nemotron_h name them
+# (model/hf.py split_experts).
+_ROUTED_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])$")
+_EXPERT_PROJ = {"1": "up_proj", "2": "down_proj"}
+_SHARED_EXPERT = {"mlp.shared_experts.linear_fc1": ("mixer.shared_experts.up_proj",),
+                  "mlp.shared_experts.linear_fc2": ("mixer.shared_experts.down_proj",)}
+# A transformers module name of a routed expert: model.layers.<i>.mixer.experts.<e>.<proj>
+_EXPERT_MODULE = re.compile(r"^model\.layers\.(\d+)\.mixer\.experts\.\d+\.(up|down)_proj$")
+
+
+def hf_modules(name: str) -> tuple[str, ...]:
+    """The transformers NemotronH modules a megatron linear becomes (rows in this order)."""
+    if name in HF_MODULES:
+        return HF_MODULES[name]
+    if name in _SHARED_EXPERT:
+        return _SHARED_EXPERT[name]
+    expert = _ROUTED_EXPERT.match(name)
+    if expert is None:
+        raise KeyError(name)
+    return (f"mixer.experts.{expert[1]}.{_EXPERT_PROJ[expert[2]]}",)
+
+
+def experts_pattern(index: int) -> str:
+    """The compressed-tensors `re:` name of every routed expert module of pattern layer `index`.
+    vLLM resolves an MoE layer's scheme from three names, `<layer>.mixer.experts.0.up_proj`,
+    `.0.None` (nemotron_h's experts have no gate: ckpt names ("up_proj", "down_proj", None)) and
+    `.0.down_proj`, and refuses the layer unless all three resolve alike (vLLM 0.33.0-0.34.0
+    compressed_tensors_moe.py:33-58): listing the experts by name would leave `.0.None`
+    unmatched. This pattern matches all three, in `targets` and in `ignore`."""
+    return f"re:.*layers\\.{index}\\.mixer\\.experts\\..*"
+
+
+def with_expert_patterns(names) -> list[str]:
+    """`names` (transformers modules) with each MoE layer's routed experts as experts_pattern;
+    the caller keeps a layer's experts in one list (check_moe_servable)."""
+    out = set()
+    for name in names:
+        expert = _EXPERT_MODULE.match(name)
+        out.add(experts_pattern(int(expert[1])) if expert else name)
+    return sorted(out)
+
+
+def routed_expert_formats(formats: Mapping[str, str]) -> dict[int, set[str]]:
+    """{MoE pattern layer: the forward formats of its routed experts}."""
+    out: dict[int, set[str]] = {}
+    for key, fmt in forward_formats(formats).items():
+        _, index, name = key.split(".", 2)
+        if _ROUTED_EXPERT.match(name):
+            out.setdefault(int(index), set()).add(fmt)
+    return out
+
+
+def check_moe_servable(formats: Mapping[str, str], fmt: str, weights: str) -> None:
+    """HFError (exit 2) for MoE layers this serving export cannot write: vLLM serves one scheme
+    per MoE layer, so a layer's routed experts must share their forward format; the experts are
+    written NVFP4 in compressed-tensors only (ModelOpt's NVFP4 layout and compressed-tensors'
+    MXFP8 for experts are not written here)."""
+    for index, found in sorted(routed_expert_formats(formats).items()):
+        if len(found) > 1:
+            raise HFError(f"--weights {weights}: layer {index}'s routed experts ran their forward "
+                          f"in {' and '.join(sorted(found))}; vLLM serves one scheme per MoE "
+                          "layer: give them one format, or use --weights bf16")
+        (one,) = found
+        if one == "mxfp8":
+            raise HFError(f"--weights {weights}: layer {index}'s routed experts ran in MXFP8, "
+                          "which this export writes for dense linears only; use --weights bf16")
+        if one == "nvfp4" and fmt != "compressed-tensors":
+            raise HFError(f"--format {fmt}: layer {index}'s routed experts are written in "
+                          "compressed-tensors only; use --format compressed-tensors")
+
+
+def fill_expert_input_amax(amax: Mapping[str, float], formats: Mapping[str, str]
+                           ) -> dict[str, float]:
+    """The recorded input amax with each NVFP4 routed expert that saw no usable input in the
+    window (no token routed to it: amax 0) given the largest amax of its layer's experts for the
+    same projection. vLLM's FlashInfer NVFP4 MoE kernels quantize every expert's input with one
+    scale, from that largest amax (vLLM 0.34.0 compressed_tensors_moe_w4a4_nvfp4.py:242-243,
+    quantization/utils/quant_utils.py:77-96), and one scheme per layer leaves no expert
+    weights-only beside the others. A layer with no usable amax at all is left as it is (the
+    export refuses it, or writes the whole layer weights-only)."""
+    out = dict(amax)
+    bad = unusable_input_amax(amax, formats)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for key, fmt in formats.items():
+        _, index, name = key.split(".", 2)
+        expert = _ROUTED_EXPERT.match(name)
+        if fmt == "nvfp4" and expert and key in amax:
+            groups.setdefault((index, expert[2]), []).append(key)
+    for keys in groups.values():
+        usable = [amax[k] for k in keys if k not in bad]
+        if usable:
+            out.update({k: max(usable) for k in keys if k in bad})
+    return out
 
 
 @dataclass
@@ -172,6 +269,10 @@ def megatron_weight(full: Mapping[str, torch.Tensor], cfg: ModelConfig, index: i
     """The weight of linear `name` of pattern layer `index` as the model holds it (the
     checkpoint stores Mamba's in_proj in its [z, x, B, C, dt] parts)."""
     prefix = f"decoder.layers.{index}.{name}.weight"
+    expert = _ROUTED_EXPERT.match(name)
+    if expert:  # megatron checkpoints a layer's experts as one [experts, out, in] tensor
+        return full[f"decoder.layers.{index}.mlp.experts.experts.linear_fc{expert[2]}.weight"][
+            int(expert[1])]
     if name == "mixer.in_proj":
         return torch.cat([full[f"{prefix}.{p}"] for p, _ in _in_proj_parts(cfg)])
     return full[prefix]
@@ -211,7 +312,7 @@ def packed_linears(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
         s_enc, s_dec = tensor_scales(q.amax)
         packed, scales = q.data, q.scales.view(torch.uint8)  # row splits on bytes
         dst = f"model.layers.{index}."
-        parts = HF_MODULES[name]
+        parts = hf_modules(name)
         if name == "self_attention.linear_qkv":
             split = zip(split_qkv(packed, cfg), split_qkv(scales, cfg))
         else:
@@ -245,7 +346,7 @@ def mxfp8_linears(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
             split = zip(split_qkv(data, cfg), split_qkv(scale, cfg))
         else:
             split = [(data, scale)]
-        for hf_name, (d, sc) in zip(HF_MODULES[name], split):
+        for hf_name, (d, sc) in zip(hf_modules(name), split):
             out[f"model.layers.{index}.{hf_name}"] = MXFP8Linear(
                 d.contiguous().view(torch.float8_e4m3fn), sc.contiguous())
     return out
@@ -286,7 +387,7 @@ def amax_problem(key: str, value: float, steps: Optional[int] = None) -> str:
 def hf_names(key: str) -> list[str]:
     """The transformers modules of policy linear `layers.<i>.<megatron name>`."""
     _, index, name = key.split(".", 2)
-    return [f"model.layers.{index}.{m}" for m in HF_MODULES[name]]
+    return [f"model.layers.{index}.{m}" for m in hf_modules(name)]
 
 
 def input_scales(amax: Mapping[str, float], formats: Mapping[str, str],
@@ -316,7 +417,7 @@ def bf16_linear_names(cfg: ModelConfig, formats: Mapping[str, str],
     for key, fmt in forward_formats(formats).items():
         if fmt not in quantized:
             _, index, name = key.split(".", 2)
-            names += [f"model.layers.{index}.{m}" for m in HF_MODULES[name]]
+            names += [f"model.layers.{index}.{m}" for m in hf_modules(name)]
     return names
 
 
@@ -358,6 +459,7 @@ def serving_export(fmt: str, dense: Mapping[str, torch.Tensor], packed: Mapping[
         raise HFError(f"{min(mxfp8)}: an MXFP8 linear cannot be written in {fmt}'s quant_algo "
                       "NVFP4; this export writes it in BF16 there")
     quantized = {*packed, *mxfp8}
+    dense = split_experts(dense)  # one module per routed expert, as vLLM's nemotron_h loads them
     tensors = {k: v for k, v in dense.items()
                if not (k.endswith(".weight") and k[: -len(".weight")] in quantized)}
     for module, m in mxfp8.items():
@@ -417,7 +519,8 @@ def compressed_tensors_config(ignore: list[str], activations: bool,
     if split is None:
         groups = {"group_0": group(["Linear"], activations)}
     else:  # an empty W4A4 side (every NVFP4 linear weights-only) is left out
-        groups = {name: group(targets, with_inputs) for name, targets, with_inputs in
+        groups = {name: group(with_expert_patterns(targets), with_inputs)
+                  for name, targets, with_inputs in
                   (("group_0", split[0], True), ("group_1", split[1], False)) if targets}
     if mxfp8:  # the next group number
         index = 1 + max((int(name.rsplit("_", 1)[1]) for name in groups), default=-1)
@@ -430,7 +533,7 @@ def compressed_tensors_config(ignore: list[str], activations: bool,
             "sparsity_config": {}, "transform_config": {},
             "config_groups": groups, "kv_cache_scheme": None,
             "format": fmt, "quantization_status": "compressed",
-            "global_compression_ratio": None, "ignore": sorted(ignore),
+            "global_compression_ratio": None, "ignore": with_expert_patterns(ignore),
             "moe_sparsity_config": None}
 
 

@@ -275,9 +275,6 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
     shard_bytes = parse_max_shard_size(max_shard_size)
     files = read_run(run_dir)
     refuse_unmappable_moe(files.model, "the Hugging Face export")
-    if files.model.moe is not None and weights != "bf16":
-        raise HFError(f"--weights {weights}: the run has MoE layers, whose expert weights the "
-                      "serving export does not pack yet; --weights bf16 exports them")
     formats = serving_formats(files, weights) if weights != "bf16" else None
     checkpoint = pick_checkpoint(run_dir, step)
     if formats is not None:
@@ -288,8 +285,12 @@ def export(run_dir, output, step: Optional[int] = None, tokenizer: Optional[str]
         switched = checkpoint_precision_map(checkpoint)
         if switched:
             formats = serving_formats(files, weights, switched)
+    if formats is not None:
+        hf_nvfp4.check_moe_servable(formats, fmt, weights)
     amax, amax_steps = (recorded_input_amax(checkpoint, formats, weights_only)
                         if weights == "nvfp4" else (None, 0))
+    if amax is not None:  # routed experts no token reached share their layer's scale
+        amax = hf_nvfp4.fill_expert_input_amax(amax, formats)
     unusable = (weights_only_linears(amax, amax_steps, formats, zero_amax or "refuse")
                 if amax is not None else {})
     try:

@@ -37,7 +37,8 @@ def test_demo_moe_trains_in_nvfp4_and_reports_expert_load(tmp_path, data_cache):
         "step_0000004", "step_0000008"]
 
     # The run exports to transformers' NemotronH (one tensor per routed expert, as NVIDIA's
-    # checkpoints store them), which loads it and generates; the serving formats refuse experts.
+    # checkpoints store them), which loads it and generates; and to vLLM's NVFP4
+    # (compressed-tensors), each routed expert its own module.
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -60,5 +61,9 @@ def test_demo_moe_trains_in_nvfp4_and_reports_expert_load(tmp_path, data_cache):
     ids = torch.tensor([[1, 2, 3, 4]])
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 8)
     assert hf_export.main([str(run_dir), "--output", str(tmp_path / "served"),
-                           "--weights", "nvfp4"]) == 2
-    assert not (tmp_path / "served").exists()
+                           "--weights", "nvfp4"]) == 0
+    served = load_safetensors(tmp_path / "served")
+    for suffix, dtype in (("weight_packed", torch.uint8), ("weight_scale", torch.float8_e4m3fn),
+                          ("weight_global_scale", torch.float32),
+                          ("input_global_scale", torch.float32)):
+        assert served[f"backbone.layers.4.mixer.experts.5.up_proj.{suffix}"].dtype == dtype
