@@ -23,11 +23,17 @@ train: setup  ## the CPU demo: ~6M-parameter hybrid, 3-6 min of training on 2 co
 # (train.py, torchrun, a module's command line, gloo ranks) or trains runs of several steps, and
 # marks them `slow`; the rest is the unit tier. tests/test_suite_tiers.py keeps them apart.
 # TEST_WORKERS=N: N pytest-xdist workers run the files, each file whole on one worker (--dist
-# loadfile: a module's fixtures are built once). Most system tests wait on process start-up, fsync
-# and collectives, leaving a core idle: on a clean clone on 2 cores, 2 workers ran 69.9 min of
-# tests in 35.7 min (docs/performance.md). TEST_WORKERS=0 runs the session serially.
+# loadfile: a module's fixtures are built once). TEST_WORKERS=0 runs the session serially.
+# TEST_THREADS: the torch (OpenMP/MKL) threads of each worker and of every process it starts, the
+# cores over the workers (1 on 2 cores with 2 workers). With torch's default (every core) per
+# process, two workers each training in one or two processes ran 4+ spinning OpenMP threads on
+# 2 cores: 69.9 min of tests in 35.7 min; with one thread each, 35.7 min of tests in 18.4 min
+# (docs/performance.md). torchrun gives each of its ranks one thread itself.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+TEST_THREADS ?= $(shell n=$$(nproc); w=$(TEST_WORKERS); t=$$n; [ "$$w" -gt 0 ] && t=$$((n / w)); \
+	[ "$$t" -lt 1 ] && t=1; echo $$t)
+PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) MKL_NUM_THREADS=$(TEST_THREADS) \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: setup  ## the CI suite: both tiers in one session, the unit tier first; the 25 slowest tests
 	$(PYTEST) --durations=25 $(PYTEST_ARGS)
