@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from megatron.core.activations import squared_relu
@@ -275,8 +274,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
 
 def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
                  linear_names: dict[str, tuple[str, ...]], te: bool,
-                 precision: Optional[PrecisionConfig] = None,
-                 state: Optional[RuntimePrecisionState] = None) -> list[HeldLinear]:
+                 precision: PrecisionConfig, state: RuntimePrecisionState) -> list[HeldLinear]:
     """The policy's linears among this pipeline stage's layers, named as the policy names them
     (`layers.<pattern index>.<module name>`): the emulated linears are their own PrecisionLinear,
     TE's are adapted (te_runtime.TEPrecisionLinear). An MoE layer's routed experts are named
@@ -303,18 +301,17 @@ def held_linears(stack: HybridStack, decisions: list[LayerPrecision],
     return held
 
 
-def _te_linear(module: torch.nn.Module, fmt: str, precision: Optional[PrecisionConfig],
-               state: Optional[RuntimePrecisionState]) -> TEPrecisionLinear:
+def _te_linear(module: torch.nn.Module, fmt: str, precision: PrecisionConfig,
+               state: RuntimePrecisionState) -> TEPrecisionLinear:
     """A TE linear as the controller steers it. build_model gives every quantized TE linear a
     gemm context that reads its formats per forward (te_runtime.te_linear_context with its
     name); those get the underflow telemetry measured beside them (te_telemetry.py), in the
     emulated configs of their formats."""
-    switchable = hasattr(module, "gemm_context")
-    telemetry = None
-    if switchable and precision is not None and state is not None:
-        configs = pass_configs_for(*PassFormats(fmt).formats, precision)
-        telemetry = TELinearTelemetry(module, configs, state)
-    return TEPrecisionLinear(module, switchable=switchable, telemetry=telemetry)
+    if not hasattr(module, "gemm_context"):
+        return TEPrecisionLinear(module)
+    configs = pass_configs_for(*PassFormats(fmt).formats, precision)
+    return TEPrecisionLinear(module, switchable=True,
+                             telemetry=TELinearTelemetry(module, configs, state))
 
 
 def _expert_parallel_sizes() -> dict:

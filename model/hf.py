@@ -219,17 +219,16 @@ _EXPERT_STACK = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")
 _EXPERT_STORED = "{experts}.{index}.{proj}.weight"
 
 
-def split_experts(tensors: Mapping[str, object], part: Callable = lambda t, e: t[e]) -> dict:
-    """`tensors` with each expert stack as the per-expert tensors stored (`part(value, e)`: the
-    e-th expert's value; `lambda shape, e: shape[1:]` splits a {name: shape} map)."""
+def split_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with each expert stack as the per-expert tensors stored."""
     out = {}
     for name, value in tensors.items():
         stack = _EXPERT_STACK.match(name)
         if stack is None:
             out[name] = value
             continue
-        for e in range(value[0] if isinstance(value, tuple) else value.shape[0]):
-            out[_EXPERT_STORED.format(experts=stack[1], index=e, proj=stack[2])] = part(value, e)
+        for e in range(value.shape[0]):
+            out[_EXPERT_STORED.format(experts=stack[1], index=e, proj=stack[2])] = value[e]
     return out
 
 
@@ -299,9 +298,10 @@ def config_mismatches(hf: Mapping, cfg: ModelConfig, vocab_size: Optional[int]) 
         if hf.get(theirs) != getattr(cfg, ours):
             found.append(f"model.{ours}={getattr(cfg, ours)} but {theirs}={hf.get(theirs)}")
     for key, ours in moe_hf_fields(cfg).items():
-        if hf.get(key, MOE_HF_DEFAULTS.get(key)) != ours:
+        theirs = hf.get(key, MOE_HF_DEFAULTS.get(key))
+        if theirs != ours:
             found.append(f"the model's MoE layers have {key}={ours!r} (model.moe) but the "
-                         f"checkpoint's {hf.get(key, MOE_HF_DEFAULTS.get(key))!r}")
+                         f"checkpoint's {theirs!r}")
     if vocab_size is not None and hf.get("vocab_size") != vocab_size:
         found.append(f"the model's vocabulary is {vocab_size} (model.vocab_size, or the "
                      f"data.tokenizer's size when null) but vocab_size={hf.get('vocab_size')}")
@@ -670,11 +670,11 @@ def tensor_mismatches(hf_dir: Path, stored: Mapping[str, tuple]) -> list[str]:
     # transformers' own reader: it decodes the values JSON cannot hold (Infinity)
     config = NemotronHConfig.from_json_file(str(hf_dir / "config.json"))
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in NemotronHForCausalLM(config).state_dict().items()}
+        model_state = NemotronHForCausalLM(config).state_dict()
+        stored_meta = {k: torch.empty(tuple(v)) for k, v in stored.items()}
     # compared as stored: one tensor per routed expert (a stack stored whole is split too)
-    by_expert = lambda shape, e: tuple(shape[1:])  # noqa: E731
-    expected = split_experts(expected, by_expert)
-    stored = split_experts({k: tuple(v) for k, v in stored.items()}, by_expert)
+    expected = {k: tuple(v.shape) for k, v in split_experts(model_state).items()}
+    stored = {k: tuple(v.shape) for k, v in split_experts(stored_meta).items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(k for k in expected if k not in stored and k not in optional)
     extra = sorted(k for k in stored if k not in expected and not _is_mtp(k))

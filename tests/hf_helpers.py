@@ -9,6 +9,13 @@ from pathlib import Path
 
 import torch
 
+from model.config import MoEConfig
+
+# Nemotron 3's routing at test size, for the MoE round trips and exports: sigmoid scores, the
+# expert bias, top-2 of 4 experts of 32, normalised and scaled by 2.5, a shared expert of 48.
+TINY_MOE = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=48,
+                     score_function="sigmoid", topk_scaling_factor=2.5, expert_bias=True)
+
 
 def hf_model(cfg, vocab: int, dtype=torch.float32, **config_overrides):
     """A transformers NemotronH model of the project's ModelConfig `cfg` (transformers' own inits)."""

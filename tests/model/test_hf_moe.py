@@ -14,17 +14,15 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
 from helpers import model_full_tensors  # noqa: E402
-from hf_helpers import hf_model, load_safetensors, random_hf_dir  # noqa: E402
+from hf_helpers import TINY_MOE, hf_model, load_safetensors, random_hf_dir  # noqa: E402
 
 from model import hf  # noqa: E402
 from model.build import build_model  # noqa: E402
-from model.config import ModelConfig, MoEConfig  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 
-# Nemotron 3's routing at test size: sigmoid scores, the expert bias, top-2 of 4 normalised and
-# scaled by 2.5, a shared expert; every layer kind, MoE twice.
-MOE = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=48,
-                score_function="sigmoid", topk_scaling_factor=2.5, expert_bias=True)
+# Nemotron 3's routing at test size (hf_helpers.TINY_MOE); every layer kind, MoE twice.
+MOE = TINY_MOE
 TINY = ModelConfig(pattern="ME*E-", hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, kv_channels=16, mamba_num_heads=8, mamba_head_dim=16,
                    mamba_state_dim=16, mamba_num_groups=2, mamba_chunk_size=16, vocab_size=300,

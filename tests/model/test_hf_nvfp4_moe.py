@@ -22,16 +22,16 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
 
-from hf_helpers import load_safetensors, trained_weights_and_amax, write_export_run  # noqa: E402
+from hf_helpers import (TINY_MOE, load_safetensors, trained_weights_and_amax,  # noqa: E402
+                        write_export_run)
 from model import hf_nvfp4  # noqa: E402
-from model.config import ModelConfig, MoEConfig  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
 from nvfp4_recipe.megatron.input_amax import running_input_amax  # noqa: E402
 from nvfp4_recipe.nvfp4 import quantize_nvfp4, tensor_scales  # noqa: E402
 from nvfp4_recipe.policy import PrecisionConfig  # noqa: E402
 from tools import hf_export  # noqa: E402
 
-MOE = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=48,
-                score_function="sigmoid", topk_scaling_factor=2.5, expert_bias=True)
+MOE = TINY_MOE
 # Layers 1 and 3 MoE in NVFP4; layer 4 MoE in BF16 (the last layer).
 TINY = ModelConfig(pattern="ME*EE", hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, kv_channels=16, mamba_num_heads=16, mamba_head_dim=8,
