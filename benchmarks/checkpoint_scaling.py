@@ -173,7 +173,8 @@ def main() -> None:
         return core, optimizer
 
     core, optimizer = build()
-    optimizer.model.grad_data.normal_()
+    for buffer in optimizer.model.buffers:
+        buffer.grad_data.normal_()
     optimizer.step()  # both Adam moments exist
     fmt = mp.optimizer_checkpoint_format(ctx.device, True)
     params = sum(p.numel() for p in core.parameters())

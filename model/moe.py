@@ -29,6 +29,8 @@ from __future__ import annotations
 from copy import copy
 
 import torch
+import torch.distributed as dist
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import get_pg_rank
@@ -142,8 +144,9 @@ def take_expert_load(routers: list[tuple[int, PortableTopKRouter]], micro_batche
     after its updates), moe/<i>/aux_loss (the layer's unscaled load-balancing loss, mean over the
     step's `micro_batches`, from megatron's tracker), and with at most PER_EXPERT_MAX experts
     moe/<i>/tokens/<e> per expert. `routers`: `moe_routers(model)`, found once per model. The
-    token counts are summed over `group` (the data-parallel group: every rank must call this).
-    Empty without MoE layers."""
+    token counts are summed over `group`, the ranks that route different tokens (`routing_group`:
+    every rank of it must call this), and the auxiliary losses reduced as megatron's logging
+    does (`_reduce_aux_losses`). Empty without MoE layers."""
     from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                          get_moe_layer_wise_logging_tracker)
 
@@ -155,6 +158,7 @@ def take_expert_load(routers: list[tuple[int, PortableTopKRouter]], micro_batche
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(loads, group=group)
     tracker = get_moe_layer_wise_logging_tracker()
+    _reduce_aux_losses(tracker)
     metrics: dict[str, float] = {}
     loads = loads.cpu()
     for (i, router), load in zip(routers, loads):
@@ -172,6 +176,45 @@ def take_expert_load(routers: list[tuple[int, PortableTopKRouter]], micro_batche
             metrics.update({f"moe/{i}/tokens/{e}": int(n) for e, n in enumerate(load.tolist())})
     clear_aux_losses_tracker()
     return metrics
+
+
+def routing_group(sequence_parallel: bool):
+    """The ranks of one pipeline stage that route different tokens: the data-parallel ranks and,
+    under sequence parallelism, the tensor-parallel ranks too (each routes its part of the
+    sequence; megatron sums the expert-bias load over the same ranks, finalize_model_grads.py
+    `_update_router_expert_bias`). None before the parallel state is set up."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return (ps.get_tensor_and_data_parallel_group() if sequence_parallel
+            else ps.get_data_parallel_group())
+
+
+def _reduce_aux_losses(tracker: dict) -> None:
+    """megatron's reduction of its aux-loss tracker (reduce_aux_losses_tracker_across_ranks,
+    moe_utils.py:935-955 in mc 0.16.1) within this pipeline stage: summed over each loss's
+    reduce_group (under sequence parallelism the tensor-parallel ranks each hold part of a
+    sequence's loss), then averaged over the data-parallel ranks and its avg_group. Its sum over
+    the pipeline is left out (every stage reports its own layers, and a stage without MoE layers
+    has no tracker to match), and the averages are sums over the group size: gloo has no AVG."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from megatron.core import parallel_state as ps
+
+    def mean_over(values, group):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(values, group=group)
+            values /= dist.get_world_size(group)
+
+    for name in sorted(tracker):
+        entry, values = tracker[name], tracker[name]["values"]
+        if entry.get("reduce_group") is not None:
+            dist.all_reduce(values, group=entry["reduce_group"])
+            if not entry.get("reduce_group_has_dp", False):
+                mean_over(values, ps.get_data_parallel_group())
+        if entry.get("avg_group") is not None:
+            mean_over(values, entry["avg_group"])
 
 
 # Experts per layer up to which every expert's token count is a metric of its own (the demo's 8;
@@ -207,13 +250,34 @@ class PolicySequentialMLP(SequentialMLP):
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, *,
                  expert_formats: dict[int, dict[str, tuple[PassFormats, object]]], **kwargs):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection,
-                         **kwargs)
+        if not config.use_cpu_initialization:  # GPU: megatron's expert RNG tracker draws
+            super().__init__(num_local_experts, config, submodules,
+                             pg_collection=pg_collection, **kwargs)
+        else:
+            self._build_layout_free(num_local_experts, config, submodules, pg_collection, kwargs)
         offset = get_pg_rank(self.ep_group) * num_local_experts
         for local, expert in enumerate(self.local_experts):
             for linear, (formats, configs) in expert_formats.get(offset + local, {}).items():
                 getattr(expert, linear).set_formats(formats, configs)
 
+
+    def _build_layout_free(self, num_local_experts, config, submodules, pg_collection,
+                           kwargs) -> None:
+        """megatron's construction (experts.py:852-860 in mc 0.16.1; the same call in
+        core_v0.19.0), each expert drawn from its own seed (one draw of the layer's stream plus
+        its global index), and the layer's stream left as that one draw moved it: expert e's
+        initial weights, and the shared expert's after them, are the same at every expert-
+        parallel size, so a run at EP=2 starts from the weights of the run at EP=1."""
+        base = int(torch.randint(2**31, (1,), device="cpu").item())  # also under a meta build
+        super().__init__(0, config, submodules, pg_collection=pg_collection, **kwargs)
+        self.num_local_experts = num_local_experts
+        offset = get_pg_rank(self.ep_group) * num_local_experts
+        with torch.random.fork_rng(devices=[]):
+            for local in range(num_local_experts):
+                torch.manual_seed(base + offset + local)
+                self.local_experts.append(MLP(self.config, submodules,
+                                              ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                                              is_expert=True, tp_group=pg_collection.expt_tp))
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):

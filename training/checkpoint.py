@@ -244,17 +244,30 @@ def _megatron_bucket(data_parallel: int) -> int:
     return max(MEGATRON_MIN_BUCKET, MEGATRON_BUCKET_PER_DP * data_parallel)
 
 
+def saved_layout_grid(manifest: dict) -> dict[str, int]:
+    """The model-parallel grid a checkpoint was written at: tensor, pipeline, expert and expert
+    tensor parallel sizes (manifests before expert parallelism: 1 and `tensor`)."""
+    return {"tensor": manifest["tensor"], "pipeline": manifest["pipeline"],
+            "expert": manifest.get("expert", 1),
+            "expert_tensor": manifest.get("expert_tensor", manifest["tensor"])}
+
+
 def layout_problem(saved: dict, now: dict, megatron_optimizer: bool) -> Optional[str]:
     """Why optimizer state saved in `saved` cannot load into a run at `now` (None: it can).
 
-    Both: {"layout", "tensor", "pipeline", "data", "spec"}. fully_reshardable loads anywhere;
-    dp_reshardable needs the same tensor/pipeline layout and spec (the flat buffers list the
-    parameters in the model's order, which the specs do not share: TE's fused pre-norm sits
-    in the first linear), and on megatron's optimizer (`megatron_optimizer`) the same DDP
-    buckets, i.e. a data-parallel size with the same default bucket size."""
+    Both: {"layout", "tensor", "pipeline", "data", "spec"} and optionally "expert" and
+    "expert_tensor" (default 1 and "tensor"). fully_reshardable loads anywhere;
+    dp_reshardable needs the same tensor/pipeline/expert layout and spec (the flat buffers list
+    the parameters in the model's order, which the specs do not share: TE's fused pre-norm sits
+    in the first linear; the expert buffer holds this rank's experts), and on megatron's
+    optimizer (`megatron_optimizer`) the same DDP buckets, i.e. a data-parallel size with the
+    same default bucket size."""
     if saved["layout"] != DP_RESHARDABLE:
         return None
-    differ = [f"{key} {saved[key]} -> {now[key]}" for key in ("tensor", "pipeline", "spec")
+    saved = {"expert": 1, "expert_tensor": saved["tensor"], **saved}
+    now = {"expert": 1, "expert_tensor": now["tensor"], **now}
+    differ = [f"{key} {saved[key]} -> {now[key]}"
+              for key in ("tensor", "pipeline", "expert", "expert_tensor", "spec")
               if saved[key] != now[key]]
     if (megatron_optimizer and saved["data"] != now["data"]
             and _megatron_bucket(saved["data"]) != _megatron_bucket(now["data"])):
@@ -264,9 +277,10 @@ def layout_problem(saved: dict, now: dict, megatron_optimizer: bool) -> Optional
     if not differ:
         return None
     return (f"its optimizer state is in the {DP_RESHARDABLE} layout (each rank's shard of the "
-            f"flat buffers), which loads only at the same tensor/pipeline layout and spec "
+            f"flat buffers), which loads only at the same tensor/pipeline/expert layout and spec "
             f"({'; '.join(differ)}): resume at tensor {saved['tensor']} x pipeline "
-            f"{saved['pipeline']} on the {saved['spec']} spec (once, with "
+            f"{saved['pipeline']} x expert {saved['expert']} (expert tensor "
+            f"{saved['expert_tensor']}) on the {saved['spec']} spec (once, with "
             f"trainer.checkpoint_layout={FULLY_RESHARDABLE}, to write a checkpoint that loads "
             "anywhere), or start a new run.dir from its weights alone with "
             "model.init_from=<this run.dir> (a fresh optimizer)")
@@ -367,6 +381,7 @@ def save_checkpoint(root: Path, step: int, ctx: ParallelContext, *, model: torch
             files.update({n: {**m, "rank": 0} for n, m in _hash_files(tmp, unclaimed).items()})
             manifest = {"step": step, "world_size": ctx.world_size, "tensor": ctx.tensor,
                         "pipeline": ctx.pipeline, "data_parallel": ctx.data,
+                        "expert": ctx.expert, "expert_tensor": ctx.expert_tensor,
                         "optimizer_format": optimizer_format,
                         "optimizer_layout": optimizer_layout, "spec": spec,
                         "skipped_since_previous": skipped_since_previous,
@@ -716,10 +731,11 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
     saved_spec = _saved_spec(path, manifest)
     saved_data = manifest.get("data_parallel",
                               manifest["world_size"] // (manifest["tensor"] * manifest["pipeline"]))
+    saved_grid = saved_layout_grid(manifest)
     problem = layout_problem(
-        {"layout": saved_layout, "tensor": manifest["tensor"], "pipeline": manifest["pipeline"],
-         "data": saved_data, "spec": saved_spec},
-        {"tensor": ctx.tensor, "pipeline": ctx.pipeline, "data": ctx.data, "spec": spec},
+        {"layout": saved_layout, **saved_grid, "data": saved_data, "spec": saved_spec},
+        {"tensor": ctx.tensor, "pipeline": ctx.pipeline, "expert": ctx.expert,
+         "expert_tensor": ctx.expert_tensor, "data": ctx.data, "spec": spec},
         megatron_optimizer=uses_megatron_ddp(ctx.device))
     if problem:
         raise CheckpointMismatch(f"checkpoint {path} cannot be resumed here: {problem}")
@@ -746,8 +762,9 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
         raise ValueError(f"checkpoint {path} does not fit this model: missing {real_missing}, "
                          f"unexpected {unexpected}")
     optimizer.load_state_dict(loaded["optimizer"])
-    same_layout = manifest["world_size"] == ctx.world_size and (
-        manifest["tensor"], manifest["pipeline"]) == (ctx.tensor, ctx.pipeline)
+    same_layout = manifest["world_size"] == ctx.world_size and saved_grid == {
+        "tensor": ctx.tensor, "pipeline": ctx.pipeline, "expert": ctx.expert,
+        "expert_tensor": ctx.expert_tensor}
     rng_file = path / f"rng_rank{ctx.rank}.pt"
     # Another layout draws other stochastic-rounding streams anyway: keep the fresh RNG then.
     if same_layout and rng_file.exists():
@@ -758,5 +775,6 @@ def load_checkpoint(path: Path, ctx: ParallelContext, model: torch.nn.Module,
              f"data parallel {saved_data}, read at {ctx.data}{crossed}; loaded in "
              f"{time.perf_counter() - started:.1f} s")
     return {"trainer": trainer, "resharded": not same_layout,
-            "layout": (manifest["tensor"], manifest["pipeline"], manifest["world_size"]),
+            "layout": (manifest["tensor"], manifest["pipeline"], saved_grid["expert"],
+                       manifest["world_size"]),
             "optimizer_layout": saved_layout, "spec": saved_spec}

@@ -297,8 +297,6 @@ def validate(cfg: TrainConfig, world_size: int) -> PrecisionPolicy:
     Returns the precision policy the checks built, which the start-up hands to the preflight,
     the plan and the model."""
     policy = check_across_groups(cfg, world_size)
-    if not cfg.run.dry_run:  # the planner may plan expert-parallel layouts
-        refuse_expert_parallel_training(cfg.parallel)
     if cfg.model.init_from is not None:
         check_init_from(cfg.model)  # a Hugging Face directory: config.json and the file list
         if is_run_dir(cfg.model.init_from):  # its shape and a usable checkpoint, read-only
@@ -322,6 +320,19 @@ def check_expert_parallel(model: ModelConfig, par: ParallelConfig, world_size: i
                               f"{par.expert_tensor_parallel_size}: model.pattern="
                               f"{model.pattern!r} has no MoE layer ('E') to split")
         return
+    if par.tensor > 1 and not par.sequence:
+        raise ConfigError(f"parallel.tensor={par.tensor} with MoE layers ('E' in model.pattern) "
+                          "needs parallel.sequence=true: each tensor-parallel rank routes its "
+                          "own part of the sequence (megatron's MoELayer refuses to train "
+                          "without, moe_layer.py:379-383 in mc 0.16.1)")
+    if ep == 1 and etp != par.tensor:
+        raise ConfigError(
+            f"parallel.expert_tensor_parallel_size={etp} differs from parallel.tensor="
+            f"{par.tensor} at parallel.expert_model_parallel_size=1: megatron marks expert "
+            "weights expert-parallel only at EP > 1 (tensor_parallel/layers.py:886 in mc 0.16.1), "
+            "so their gradients would be summed over the data-parallel ranks alone, not over the "
+            "tensor-parallel ranks that route other tokens to the same experts; set it to null "
+            "or use EP > 1")
     if model.moe.num_experts % ep:
         raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
                           f"parallel.expert_model_parallel_size={ep}")
@@ -331,22 +342,6 @@ def check_expert_parallel(model: ModelConfig, par: ParallelConfig, world_size: i
             f"parallel.expert_model_parallel_size={ep} x expert tensor parallel {etp} x "
             f"parallel.pipeline={par.pipeline} = {grid} does not divide the world size "
             f"({world_size} processes): EP x ETP x PP x expert data parallel must equal it")
-
-
-def refuse_expert_parallel_training(par: ParallelConfig) -> None:
-    """ConfigError for a training run that splits experts otherwise than the dense layers. The MoE
-    layer runs at any EP (tests/system/test_moe_expert_parallel.py), but the CPU data-parallel
-    gradient sync averages every gradient over the whole data-parallel group
-    (training/ddp_optimizer.py BufferedDataParallel), which would mix different experts' gradients,
-    and the gradient norm, the distributed optimizer and the checkpoints treat expert parameters
-    as dense ones: not wired yet."""
-    etp = par.expert_tensor_parallel_size
-    if par.expert_model_parallel_size > 1 or (etp is not None and etp != par.tensor):
-        raise ConfigError(
-            f"parallel.expert_model_parallel_size={par.expert_model_parallel_size}, "
-            f"parallel.expert_tensor_parallel_size={etp}: training with experts split otherwise "
-            "than the dense layers is not wired yet (the gradient sync, optimizer and checkpoints "
-            "treat expert parameters as replicated); use 1 and null")
 
 
 def check_across_groups(cfg: TrainConfig, world_size: int) -> PrecisionPolicy:

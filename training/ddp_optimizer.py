@@ -103,18 +103,75 @@ class ShardLayout:
         return (a - start, b - start) if a < b else None
 
 
+class FlatBuffer:
+    """One contiguous BF16 weight buffer and its FP32 gradient buffer over `params`, reduced over
+    `group` (its size: `size`) and, with the distributed optimizer, sharded over it.
+
+    megatron's DDP keeps two: one for the dense parameters over the data-parallel group, one for
+    the expert-parallel parameters (`allreduce=False`, experts.py:203-204 and SequentialMLP's
+    experts) over the expert data-parallel group (distributed_data_parallel.py:106-126, 295-302
+    in core 0.16.1), as each expert lives on 1/EP of the data-parallel ranks."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group, sharded: bool, expert: bool):
+        self.params, self.group, self.expert = params, group, expert
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.sharded = sharded and self.size > 1
+        self.layout = ShardLayout.build([p.numel() for p in params],
+                                        self.size if sharded else 1, rank if sharded else 0)
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one parameter dtype expected for the flat buffer, found {dtypes}")
+        self.param_data = torch.zeros(self.layout.padded_total, dtype=dtypes.pop())
+        self.grad_data = torch.zeros(self.layout.padded_total, dtype=MAIN_GRADS_DTYPE)
+        for p, start, n in zip(params, self.layout.offsets, self.layout.numels):
+            self.param_data[start:start + n].copy_(p.data.view(-1))
+            p.data = self.param_data[start:start + n].view(p.shape)
+            p.main_grad = self.grad_data[start:start + n].view(p.shape)
+            p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+
+    def reduce(self, scale: float, force_all_reduce: bool) -> None:
+        """Scale, then sum over the group: into this rank's shard, or everywhere."""
+        if scale != 1.0:
+            self.grad_data.mul_(scale)
+        if self.size == 1:
+            return
+        if self.sharded and not force_all_reduce:
+            lo, hi = self.layout.shard_range
+            shard = torch.empty(hi - lo, dtype=self.grad_data.dtype)
+            dist.reduce_scatter_tensor(shard, self.grad_data, group=self.group)
+            self.grad_data[lo:hi].copy_(shard)
+        else:
+            dist.all_reduce(self.grad_data, group=self.group)
+
+    def gather(self) -> None:
+        """After the optimizer updated this rank's shard: every rank of the group gets every
+        BF16 weight."""
+        if self.sharded:
+            lo, hi = self.layout.shard_range
+            dist.all_gather_into_tensor(self.param_data, self.param_data[lo:hi].clone(),
+                                        group=self.group)
+
+
 class BufferedDataParallel(torch.nn.Module):
     """CPU twin of `megatron.core.distributed.DistributedDataParallel`.
 
-    Each parameter's `.data` and `.main_grad` are views into two flat buffers (BF16 weights,
-    FP32 grads). A post-accumulate hook moves every micro-batch's gradient into `main_grad` in
-    FP32 and frees `.grad`, as megatron's backward hook does (`distributed_data_parallel.py`,
-    `_make_backward_post_hook`). `finish_grad_sync` averages over the data-parallel group: an
-    all-reduce, or a reduce-scatter into this rank's shard with the distributed optimizer.
+    Each parameter's `.data` and `.main_grad` are views into flat buffers (BF16 weights, FP32
+    grads): one for the dense parameters, one for the experts' (`FlatBuffer`). A post-accumulate
+    hook moves every micro-batch's gradient into `main_grad` in FP32 and frees `.grad`, as
+    megatron's backward hook does (`distributed_data_parallel.py`, `_make_backward_post_hook`).
+    `finish_grad_sync` scales every gradient by 1 / data-parallel size and sums the dense ones
+    over the data-parallel group, the experts' over the expert data-parallel group (megatron's
+    average_in_collective=False, distributed_data_parallel.py:259-289): an expert's gradient
+    already holds every token the EP group sent it, so summing its EDP copies counts each of
+    the DP ranks' tokens once. With the distributed optimizer each sum is a reduce-scatter into
+    this rank's shard of that buffer.
+
+    `params` lists every trained parameter, the dense ones first, then the experts'.
     """
 
     def __init__(self, module: torch.nn.Module, *, data_parallel_group=None,
-                 use_distributed_optimizer: bool = False):
+                 expert_data_parallel_group=None, use_distributed_optimizer: bool = False):
         from megatron.core.distributed import DistributedDataParallelConfig
 
         super().__init__()
@@ -124,22 +181,25 @@ class BufferedDataParallel(torch.nn.Module):
             grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
         self.dp_group = data_parallel_group
         self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
-        dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"one parameter dtype expected for the flat buffer, found {dtypes}")
-        shards = self.dp_size if use_distributed_optimizer else 1
-        self.layout = ShardLayout.build([p.numel() for p in self.params], shards,
-                                        dp_rank if use_distributed_optimizer else 0)
-        self.param_data = torch.zeros(self.layout.padded_total, dtype=dtypes.pop())
-        self.grad_data = torch.zeros(self.layout.padded_total, dtype=MAIN_GRADS_DTYPE)
-        for p, start, n in zip(self.params, self.layout.offsets, self.layout.numels):
-            self.param_data[start:start + n].copy_(p.data.view(-1))
-            p.data = self.param_data[start:start + n].view(p.shape)
-            p.main_grad = self.grad_data[start:start + n].view(p.shape)
-            p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        dense = [p for p in trained if getattr(p, "allreduce", True)]
+        experts = [p for p in trained if not getattr(p, "allreduce", True)]
+        if experts and expert_data_parallel_group is None and dist.is_initialized() \
+                and self.dp_size > 1:
+            raise ValueError("expert-parallel parameters need the expert data-parallel group")
+        self.buffers = [FlatBuffer(dense, data_parallel_group, use_distributed_optimizer, False)]
+        if experts:
+            self.buffers.append(FlatBuffer(experts, expert_data_parallel_group,
+                                           use_distributed_optimizer, True))
+        self.params = dense + experts
+        # parameter index in self.params -> (its buffer, its index there)
+        self.location = [(b, i) for b in self.buffers for i in range(len(b.params))]
+
+    def owned(self, index: int) -> Optional[tuple[int, int]]:
+        """The part [start, end) of parameter `index` this rank's optimizer owns (None: none)."""
+        buffer, i = self.location[index]
+        return buffer.layout.owned(i)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -157,7 +217,8 @@ class BufferedDataParallel(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def zero_grad_buffer(self) -> None:
-        self.grad_data.zero_()
+        for buffer in self.buffers:
+            buffer.grad_data.zero_()
         for p in self.params:
             p.grad = None
 
@@ -169,21 +230,14 @@ class BufferedDataParallel(torch.nn.Module):
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         if self.dp_size == 1:
             return
-        self.grad_data /= self.dp_size  # megatron's gradient_scaling_factor = 1 / DP
-        if self.use_distributed_optimizer and not force_all_reduce:
-            lo, hi = self.layout.shard_range
-            shard = torch.empty(hi - lo, dtype=self.grad_data.dtype)
-            dist.reduce_scatter_tensor(shard, self.grad_data, group=self.dp_group)
-            self.grad_data[lo:hi].copy_(shard)
-        else:
-            dist.all_reduce(self.grad_data, group=self.dp_group)
+        for buffer in self.buffers:  # megatron's gradient_scaling_factor = 1 / DP for both
+            buffer.reduce(1.0 / self.dp_size, force_all_reduce)
 
     def gather_params(self) -> None:
-        """After the optimizer updated this rank's shard: every rank gets every BF16 weight."""
-        if self.use_distributed_optimizer and self.dp_size > 1:
-            lo, hi = self.layout.shard_range
-            dist.all_gather_into_tensor(self.param_data, self.param_data[lo:hi].clone(),
-                                        group=self.dp_group)
+        """After the optimizer updated this rank's shards: every rank gets every BF16 weight."""
+        if self.use_distributed_optimizer:
+            for buffer in self.buffers:
+                buffer.gather()
 
 
 def _accumulate_into_main_grad(param: torch.Tensor) -> None:
@@ -192,40 +246,49 @@ def _accumulate_into_main_grad(param: torch.Tensor) -> None:
 
 
 class MixedPrecisionOptimizer:
-    """CPU twin of megatron's `Float16OptimizerWithFloat16Params` / `DistributedOptimizer`.
+    """CPU twin of megatron's `Float16OptimizerWithFloat16Params` / `DistributedOptimizer`
+    (a ChainedOptimizer of a dense one and an expert one when the model has experts).
 
     AdamW on FP32 master copies of the part of each parameter this rank owns (all of it without
-    the distributed optimizer). The grad norm counts every element once over the model- and
-    (sharded) data-parallel ranks; clipping is megatron's `max_norm / (norm + 1e-6)`.
+    the distributed optimizer). The grad norm counts every element once: the dense parameters'
+    squares summed over the model-parallel ranks, the experts' over the expert tensor x model x
+    pipeline ranks (megatron's two grad_stats_parallel_group, optimizer/__init__.py:446-466 and
+    :640-680 in core 0.16.1), each over every rank when its buffer is sharded; the norm is the
+    root of the sum of both (ChainedOptimizer.get_grad_norm, optimizer.py:1270-1287). Clipping
+    is megatron's `max_norm / (norm + 1e-6)`.
     """
 
     def __init__(self, model: BufferedDataParallel, *, lr: float, weight_decay: float,
-                 betas: tuple[float, float], eps: float, model_parallel_group=None):
+                 betas: tuple[float, float], eps: float, model_parallel_group=None,
+                 expert_model_parallel_group=None):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         self.model = model
-        self.layout = model.layout
         names = {id(p): n for n, p in model.module.named_parameters()}
-        # (model param index, its owned range, the FP32 master slice) for each owned piece.
+        # (model param index, its owned range) and the FP32 master slice of each owned piece.
         self.pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
         decay, no_decay = [], []
         self.counts_in_norm: list[bool] = []
+        self.is_expert: list[bool] = []
         for i, p in enumerate(model.params):
-            owned = self.layout.owned(i)
+            owned = model.owned(i)
             if owned is None:
                 continue
             a, b = owned
             master = torch.nn.Parameter(p.detach().view(-1)[a:b].to(MAIN_PARAMS_DTYPE))
             self.pieces.append((i, a, b, master))
             self.counts_in_norm.append(bool(param_is_not_tensor_parallel_duplicate(p)))
+            self.is_expert.append(model.location[i][0].expert)
             (no_decay if is_no_weight_decay(names[id(p)], p) else decay).append(master)
         groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
         # The scheduler sets each group's lr and weight decay (x its wd_mult), as megatron's.
         self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                                       eps=eps, weight_decay=weight_decay, foreach=True)
-        # Every element is owned by one rank of this group: the grad norm sums over it.
-        sharded = model.use_distributed_optimizer and model.dp_size > 1
-        self.norm_group = None if sharded else model_parallel_group
+        # Where each kind's squares are summed: every element is owned by one rank of it.
+        dense_sharded = model.buffers[0].sharded
+        expert_sharded = len(model.buffers) > 1 and model.buffers[1].sharded
+        self.norm_groups = {False: None if dense_sharded else model_parallel_group,
+                            True: None if expert_sharded else expert_model_parallel_group}
 
     @property
     def param_groups(self):
@@ -235,24 +298,40 @@ class MixedPrecisionOptimizer:
         for *_, master in self.pieces:
             master.grad = None
 
-    def _main_grad(self, index: int, a: int, b: int) -> torch.Tensor:
-        start = self.layout.offsets[index]
-        return self.model.grad_data[start + a:start + b]
+    def flat_slice(self, index: int, a: int, b: int, grads: bool) -> torch.Tensor:
+        """The slice [a, b) of parameter `index`'s main grad or BF16 weight (views into the
+        model's flat buffers)."""
+        p = self.model.params[index]
+        return (p.main_grad if grads else p.data).view(-1)[a:b]
 
     def prepare_grads(self) -> bool:
         """Point each master slice's .grad at its FP32 main grad; False: nothing found amiss."""
         for i, a, b, master in self.pieces:
-            master.grad = self._main_grad(i, a, b)
+            master.grad = self.flat_slice(i, a, b, grads=True)
         return False
 
     def get_grad_norm(self) -> float:
-        squares = torch.zeros((), dtype=torch.float32)
-        for (*_, master), counted in zip(self.pieces, self.counts_in_norm):
+        squares = {False: torch.zeros((), dtype=torch.float32),
+                   True: torch.zeros((), dtype=torch.float32)}
+        for (*_, master), counted, expert in zip(self.pieces, self.counts_in_norm,
+                                                 self.is_expert):
             if counted:
-                squares += master.grad.pow(2).sum()
-        if dist.is_initialized() and dist.get_world_size(self.norm_group) > 1:
-            dist.all_reduce(squares, group=self.norm_group)
-        return math.sqrt(squares.item()) if torch.isfinite(squares) else float("nan")
+                squares[expert] += master.grad.pow(2).sum()
+        if dist.is_initialized():
+            groups = self.norm_groups
+            experts = len(self.model.buffers) > 1
+            if not experts or groups[False] is groups[True]:  # one reduction for both
+                total = squares[False] + squares[True]
+                if dist.get_world_size(groups[False]) > 1:
+                    dist.all_reduce(total, group=groups[False])
+            else:
+                for expert in (False, True):
+                    if dist.get_world_size(groups[expert]) > 1:
+                        dist.all_reduce(squares[expert], group=groups[expert])
+                total = squares[False] + squares[True]
+        else:
+            total = squares[False] + squares[True]
+        return math.sqrt(total.item()) if torch.isfinite(total) else float("nan")
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = self.get_grad_norm()
@@ -266,8 +345,7 @@ class MixedPrecisionOptimizer:
     def step_with_ready_grads(self) -> bool:
         self.adam.step()
         for i, a, b, master in self.pieces:
-            start = self.layout.offsets[i]
-            self.model.param_data[start + a:start + b].copy_(master)
+            self.flat_slice(i, a, b, grads=False).copy_(master)
         self.model.gather_params()
         return True
 
@@ -278,26 +356,38 @@ class MixedPrecisionOptimizer:
         return self.step_with_ready_grads(), norm, None
 
     # -- checkpoints --------------------------------------------------------------------------
+    def _state_value(self, master: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
+        return master if key == "fp32_param" else self.adam.state[master].get(key)
+
     def _gathered_state(self) -> list[dict[str, torch.Tensor]]:
-        """Per model parameter, its full FP32 master weight and Adam moments (gathered over DP)."""
-        layout, model = self.layout, self.model
-        lo, hi = layout.shard_range
-        full = {}
-        for key in OPTIMIZER_STATE_KEYS:
-            shard = torch.zeros(hi - lo, dtype=MAIN_PARAMS_DTYPE)
-            for i, a, b, master in self.pieces:
-                start = layout.offsets[i] + a - lo
-                value = master if key == "fp32_param" else self.adam.state[master].get(key)
-                if value is not None:
-                    shard[start:start + b - a].copy_(value.detach())
-            if layout.num_shards > 1:
-                flat = torch.empty(layout.padded_total, dtype=MAIN_PARAMS_DTYPE)
-                dist.all_gather_into_tensor(flat, shard, group=model.dp_group)
-            else:
-                flat = shard
-            full[key] = flat
-        return [{key: full[key][start:start + n].view(p.shape) for key in OPTIMIZER_STATE_KEYS}
-                for p, start, n in zip(model.params, layout.offsets, layout.numels)]
+        """Per model parameter, its full FP32 master weight and Adam moments (each buffer's
+        shards gathered over its group)."""
+        pieces = {i: (a, b, master) for i, a, b, master in self.pieces}
+        state: list[dict[str, torch.Tensor]] = [{} for _ in self.model.params]
+        first = 0  # index in model.params of the buffer's first parameter
+        for buffer in self.model.buffers:
+            layout = buffer.layout
+            lo, hi = layout.shard_range
+            for key in OPTIMIZER_STATE_KEYS:
+                shard = torch.zeros(hi - lo, dtype=MAIN_PARAMS_DTYPE)
+                for local in range(len(buffer.params)):
+                    if first + local not in pieces:
+                        continue
+                    a, b, master = pieces[first + local]
+                    value = self._state_value(master, key)
+                    if value is not None:
+                        start = layout.offsets[local] + a - lo
+                        shard[start:start + b - a].copy_(value.detach())
+                if layout.num_shards > 1:
+                    flat = torch.empty(layout.padded_total, dtype=MAIN_PARAMS_DTYPE)
+                    dist.all_gather_into_tensor(flat, shard, group=buffer.group)
+                else:
+                    flat = shard
+                for local, (p, start, n) in enumerate(zip(buffer.params, layout.offsets,
+                                                          layout.numels)):
+                    state[first + local][key] = flat[start:start + n].view(p.shape)
+            first += len(buffer.params)
+        return state
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
@@ -305,15 +395,16 @@ class MixedPrecisionOptimizer:
         `metadata["distrib_optim_sharding_type"]` (default "fully_reshardable"):
 
         - fully_reshardable: master weights and moments keyed like the model's tensors, each with
-          its parameter's shape, written once (by data-parallel rank 0, whose replica id is the
-          model tensor's), read whole by every rank, which keeps its own slice. Loads at any
-          TP/PP/DP and on either spec (keys translate, model/hf.py:spec_key). With the sharded
+          its parameter's shape, written once (by the rank whose replica id is the model
+          tensor's main one), read whole by every rank, which keeps its own slice. Loads at any
+          TP/PP/DP/EP and on either spec (keys translate, model/hf.py:spec_key): an expert's
+          state is keyed by its global expert index, as its weights are. With the sharded
           optimizer the save gathers every rank's shard into full tensors on every rank.
-        - dp_reshardable: each rank writes and reads only its own contiguous shard of the flat
-          buffers, one 1-D tensor per state over the unpadded buffer (`dp_flat_shards`), as
+        - dp_reshardable: each rank writes and reads only its own contiguous shard of each flat
+          buffer, one 1-D tensor per state over the unpadded buffer (`dp_flat_shards`), as
           megatron's distributed optimizer keys its buckets (distrib_optimizer.py:1539-1687,
           core 0.16.1). No gather, no full tensors; loads at any data-parallel size (the flat
-          layout does not depend on it) but only at the same TP/PP and parameter order.
+          layout does not depend on it) but only at the same TP/PP/EP and parameter order.
         """
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
@@ -340,42 +431,58 @@ class MixedPrecisionOptimizer:
                   for i, tensors in enumerate(state)}
             for key in OPTIMIZER_STATE_KEYS}}
 
-    def _owned_span(self) -> tuple[int, int]:
-        """[lo, hi) of the unpadded flat buffer this rank's optimizer owns (empty: lo == hi)."""
-        lo, hi = self.layout.shard_range
-        hi = min(hi, self.layout.total)
+    @staticmethod
+    def _owned_span(buffer: FlatBuffer) -> tuple[int, int]:
+        """[lo, hi) of the buffer's unpadded flat range this rank's optimizer owns (empty:
+        lo == hi)."""
+        lo, hi = buffer.layout.shard_range
+        hi = min(hi, buffer.layout.total)
         return min(lo, hi), hi
 
     def dp_flat_shards(self, is_loading: bool) -> dict:
-        """{state key: ShardedTensor of this rank's span of the flat FP32 buffer}: the
-        dp_reshardable layout. Keyed per tensor/pipeline rank (their buffers hold other
-        parameters); global shape the unpadded buffer, so another data-parallel size reads other
-        spans of the same tensors."""
+        """{"dense" | "expert": {state key: ShardedTensor of this rank's span of that flat FP32
+        buffer}}: the dp_reshardable layout. Keyed per tensor/pipeline rank, and the experts' per
+        expert tensor/model-parallel rank too (their buffers hold other parameters); global
+        shape the unpadded buffer, so another data-parallel size reads other spans of the same
+        tensors."""
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        lo, hi = self._owned_span()
-        if lo == hi:  # more ranks than elements: this rank owns nothing
-            return {}
-        domain = (f"tp{ps.get_tensor_model_parallel_rank()}of"
-                  f"{ps.get_tensor_model_parallel_world_size()}."
-                  f"pp{ps.get_pipeline_model_parallel_rank()}of"
-                  f"{ps.get_pipeline_model_parallel_world_size()}")
-        out = {}
-        for key in OPTIMIZER_STATE_KEYS:
-            flat = torch.empty(hi - lo, dtype=MAIN_PARAMS_DTYPE)
-            if not is_loading:
-                for i, a, b, master in self.pieces:
-                    value = master if key == "fp32_param" else self.adam.state[master].get(key)
-                    start = self.layout.offsets[i] + a - lo
-                    if value is None:  # before the first step Adam has no moments
-                        flat[start:start + b - a].zero_()
-                    else:
-                        flat[start:start + b - a].copy_(value.detach())
-            out[key] = ShardedTensor(
-                key=f"optimizer.dp_reshardable.{domain}.{key}", data=flat, dtype=flat.dtype,
-                local_shape=(hi - lo,), global_shape=(self.layout.total,), global_offset=(lo,),
-                axis_fragmentations=None, replica_id=0)  # a span no other rank holds
+        pieces = {i: (a, b, master) for i, a, b, master in self.pieces}
+        pp = (f"pp{ps.get_pipeline_model_parallel_rank()}of"
+              f"{ps.get_pipeline_model_parallel_world_size()}")
+        out, first = {}, 0
+        for buffer in self.model.buffers:
+            if buffer.expert:
+                domain = (f"expert.etp{ps.get_expert_tensor_parallel_rank()}of"
+                          f"{ps.get_expert_tensor_parallel_world_size()}."
+                          f"ep{ps.get_expert_model_parallel_rank()}of"
+                          f"{ps.get_expert_model_parallel_world_size()}.{pp}")
+            else:
+                domain = (f"tp{ps.get_tensor_model_parallel_rank()}of"
+                          f"{ps.get_tensor_model_parallel_world_size()}.{pp}")
+            lo, hi = self._owned_span(buffer)
+            shards = {}
+            for key in OPTIMIZER_STATE_KEYS if lo < hi else ():  # lo == hi: owns nothing
+                flat = torch.empty(hi - lo, dtype=MAIN_PARAMS_DTYPE)
+                if not is_loading:
+                    for local in range(len(buffer.params)):
+                        if first + local not in pieces:
+                            continue
+                        a, b, master = pieces[first + local]
+                        value = self._state_value(master, key)
+                        start = buffer.layout.offsets[local] + a - lo
+                        if value is None:  # before the first step Adam has no moments
+                            flat[start:start + b - a].zero_()
+                        else:
+                            flat[start:start + b - a].copy_(value.detach())
+                shards[key] = ShardedTensor(
+                    key=f"optimizer.dp_reshardable.{domain}.{key}", data=flat, dtype=flat.dtype,
+                    local_shape=(hi - lo,), global_shape=(buffer.layout.total,),
+                    global_offset=(lo,), axis_fragmentations=None,
+                    replica_id=0)  # a span no other rank holds
+            out["expert" if buffer.expert else "dense"] = shards
+            first += len(buffer.params)
         return out
 
     def _optimizer_steps(self) -> int:
@@ -388,23 +495,23 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Take this rank's part of the loaded state (from sharded_state_dict(is_loading)): its
-        slices of full tensors (fully_reshardable) or its span of the flat buffer
+        slices of full tensors (fully_reshardable) or its spans of the flat buffers
         (dp_reshardable)."""
         params, optimizer_steps = state_dict["param_state"], state_dict["optimizer_steps"]
-        lo, _ = self._owned_span()
-        flat = not params or isinstance(params.get("fp32_param"), torch.Tensor)
+        flat = "dense" in params
         for i, a, b, master in self.pieces:
             if flat:
-                start = self.layout.offsets[i] + a - lo
-                part = {key: params[key][start:start + b - a] for key in OPTIMIZER_STATE_KEYS}
+                buffer, local = self.model.location[i]
+                spans = params["expert" if buffer.expert else "dense"]
+                start = buffer.layout.offsets[local] + a - self._owned_span(buffer)[0]
+                part = {key: spans[key][start:start + b - a] for key in OPTIMIZER_STATE_KEYS}
             else:
                 part = {key: params[key][str(i)].reshape(-1)[a:b] for key in OPTIMIZER_STATE_KEYS}
             master.copy_(part["fp32_param"])
             self.adam.state[master] = {
                 "step": torch.tensor(float(optimizer_steps)),
                 **{key: part[key].clone() for key in ("exp_avg", "exp_avg_sq")}}
-            start = self.layout.offsets[i]
-            self.model.param_data[start + a:start + b].copy_(master)
+            self.flat_slice(i, a, b, grads=False).copy_(master)
         self.model.gather_params()
 
 
@@ -425,12 +532,15 @@ def build_data_parallel_model(module: torch.nn.Module, trainer_cfg, ctx):
     if uses_megatron_ddp(ctx.device):
         model, optimizer = _megatron_ddp_and_optimizer(module, config, trainer_cfg)
     else:
-        model = BufferedDataParallel(module, data_parallel_group=ps.get_data_parallel_group(),
-                                     use_distributed_optimizer=distributed)
+        model = BufferedDataParallel(
+            module, data_parallel_group=ps.get_data_parallel_group(),
+            expert_data_parallel_group=ps.get_expert_data_parallel_group(),
+            use_distributed_optimizer=distributed)
         optimizer = MixedPrecisionOptimizer(
             model, lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay,
             betas=(trainer_cfg.adam_beta1, trainer_cfg.adam_beta2), eps=trainer_cfg.adam_eps,
-            model_parallel_group=ps.get_model_parallel_group())
+            model_parallel_group=ps.get_model_parallel_group(),
+            expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group())
     config.finalize_model_grads_func = finalize_model_grads
     return model, optimizer
 

@@ -29,10 +29,21 @@ class ParallelContext:
     # What `device` offers (model/device.py): every device-dependent choice reads it. Probed
     # from `device` when not given; tests state any machine here.
     hardware: Optional[Hardware] = None
+    # The MoE layers' expert grid (parallel.expert_model_parallel_size and the expert tensor
+    # parallel size megatron resolved: `tensor` unless set).
+    expert: int = 1
+    expert_tensor: Optional[int] = None
 
     def __post_init__(self):
+        if self.expert_tensor is None:
+            object.__setattr__(self, "expert_tensor", self.tensor)
         if self.hardware is None and self.device is not None:
             object.__setattr__(self, "hardware", probe_hardware(self.device))
+
+    @property
+    def expert_data(self) -> int:
+        """The expert data-parallel size: the ranks holding the same experts."""
+        return self.world_size // (self.expert * self.expert_tensor * self.pipeline)
 
     @property
     def is_main(self) -> bool:
@@ -121,6 +132,8 @@ def init_distributed(tensor: int, pipeline: int, backend: str = "auto",
         pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(),
         data_rank=parallel_state.get_data_parallel_rank(),
         device=device,
+        expert=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor=parallel_state.get_expert_tensor_parallel_world_size(),
     )
 
 

@@ -105,10 +105,15 @@ class GradHealth:
         decoder = getattr(core, "decoder", None)
         offset = getattr(decoder, "layer_offset", 0)
         owned = _owned_ranges(model, optimizer)  # None: every rank holds the reduced grads
-        counts_here = owned is not None or ps.get_data_parallel_rank() == 0
+        # Without sharding, the first rank of each gradient's reduction group counts it: the
+        # data-parallel group's, or for an expert's (allreduce=False) the expert data-parallel
+        # group's, whose ranks hold the same experts.
+        counts_dense = owned is not None or ps.get_data_parallel_rank() == 0
+        counts_experts = owned is not None or ps.get_expert_data_parallel_rank() == 0
         # (parameter, start, end, group) of each gradient slice this rank counts.
         self.pieces: list[tuple[torch.nn.Parameter, int, int, int]] = []
         for name, p in core.named_parameters():
+            counts_here = counts_dense if getattr(p, "allreduce", True) else counts_experts
             if not (p.requires_grad and counts_here and param_is_not_tensor_parallel_duplicate(p)):
                 continue
             start, end = (0, p.numel()) if owned is None else owned.get(id(p), (0, 0))
@@ -174,7 +179,7 @@ def _owned_ranges(model, optimizer) -> Optional[dict[int, tuple[int, int]]]:
     if isinstance(model, BufferedDataParallel):  # the CPU twin
         if not (model.use_distributed_optimizer and model.dp_size > 1):
             return None
-        return {id(p): model.layout.owned(i) or (0, 0) for i, p in enumerate(model.params)}
+        return {id(p): model.owned(i) or (0, 0) for i, p in enumerate(model.params)}
     from megatron.core import parallel_state as ps
 
     if not (model.ddp_config.use_distributed_optimizer

@@ -22,7 +22,7 @@ from data.demo import ensure_demo_corpus
 from data.tokenizer import load_tokenizer_spec
 from model.build import build_model, choose_backend, padded_vocab_size
 from model.hf import load_hf_weights
-from model.moe import expert_load_line, moe_routers, take_expert_load
+from model.moe import expert_load_line, moe_routers, routing_group, take_expert_load
 from model.specs import linear_shapes
 
 from . import checkpoint as ckpt
@@ -31,7 +31,7 @@ from .cadence import Every
 from .config import TrainConfig, recompute_config
 from .ddp_optimizer import (PARAMS_DTYPE, build_data_parallel_model, optimizer_checkpoint_format,
                             optimizer_state_bytes, uses_megatron_ddp)
-from .distributed import (ParallelContext, data_parallel_group, step_loss_and_stop,
+from .distributed import (ParallelContext, step_loss_and_stop,
                           stochastic_rounding_seed)
 from .downstream import DownstreamEvaluator, run_tokenizer
 from .forensics import (AnomalyWatch, Thresholds, bisect, bisect_table, capture_rng,
@@ -159,7 +159,9 @@ class Trainer:
                 log.info(line)
         log.info(render(self.data.train.describe_schedule()))
         log.info(f"parallel: world {ctx.world_size} = tensor {ctx.tensor} x pipeline "
-                 f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step")
+                 f"{ctx.pipeline} x data {ctx.data}; {self.micro_batches} micro-batches/step"
+                 + (f"; experts: expert {ctx.expert} x expert tensor {ctx.expert_tensor} x "
+                    f"expert data {ctx.expert_data}" if self.moe_routers else ""))
         log.info(f"mixed precision: BF16 weights, FP32 main grads; FP32 master weights + Adam "
                  f"{optimizer_state_bytes(self.optimizer) / 2**20:.2f} MiB on this rank"
                  + (f" (sharded over {ctx.data} data-parallel ranks)"
@@ -226,9 +228,10 @@ class Trainer:
         self.load_state_dict(state["trainer"])
         self.resumed_from = path
         if state["resharded"]:
-            t, p, w = state["layout"]
-            log.info(f"resharded from tensor {t} x pipeline {p} ({w} processes) to tensor "
-                     f"{self.ctx.tensor} x pipeline {self.ctx.pipeline} ({self.ctx.world_size})")
+            t, p, e, w = state["layout"]
+            log.info(f"resharded from tensor {t} x pipeline {p} x expert {e} ({w} processes) to "
+                     f"tensor {self.ctx.tensor} x pipeline {self.ctx.pipeline} x expert "
+                     f"{self.ctx.expert} ({self.ctx.world_size})")
         log.info(f"resumed from {path} at step {self.step}")
         if self.precision.switched_formats():
             log.info(f"precision map (with the run's fallbacks): {self.precision.describe_map()}")
@@ -414,7 +417,8 @@ class Trainer:
                 "skipped_steps": self.skipped_steps, **self.data.train.metrics(),
                 **result.health, **result.precision,
                 # MoE layers: tokens per expert, imbalance, aux loss, expert bias (model/moe.py)
-                **take_expert_load(self.moe_routers, self.micro_batches, data_parallel_group())}
+                **take_expert_load(self.moe_routers, self.micro_batches,
+                                   routing_group(self.cfg.parallel.sequence))}
 
     def _report(self, metrics: dict, result: StepResult, eta: float) -> None:
         """The console: one status line per `trainer.log_every` steps and with each validation,

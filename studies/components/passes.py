@@ -113,7 +113,7 @@ def model_level(trainer, modules, batch: dict, model_cfg, key: str) -> dict:
 def snapshot(trainer) -> dict:
     """The weights, FP32 master weights, Adam state and schedule (the CPU optimizer's)."""
     opt = trainer.optimizer
-    return {"params": trainer.model.param_data.clone(),
+    return {"params": [b.param_data.clone() for b in trainer.model.buffers],
             "masters": [m.detach().clone() for *_, m in opt.pieces],
             "adam": copy.deepcopy(opt.adam.state_dict()),
             "scheduler": copy.deepcopy(trainer.scheduler.state_dict())}
@@ -122,7 +122,8 @@ def snapshot(trainer) -> dict:
 def restore(trainer, snap: dict) -> None:
     opt = trainer.optimizer
     with torch.no_grad():
-        trainer.model.param_data.copy_(snap["params"])
+        for buffer, saved in zip(trainer.model.buffers, snap["params"]):
+            buffer.param_data.copy_(saved)
         for (*_, m), saved in zip(opt.pieces, snap["masters"]):
             m.copy_(saved)
     opt.adam.load_state_dict(copy.deepcopy(snap["adam"]))
@@ -141,8 +142,7 @@ def set_masters(trainer, flat: torch.Tensor) -> None:
         for i, a, b, master in opt.pieces:
             master.copy_(flat[offset:offset + master.numel()].view_as(master))
             offset += master.numel()
-            start = opt.layout.offsets[i]
-            trainer.model.param_data[start + a:start + b].copy_(master)
+            opt.flat_slice(i, a, b, grads=False).copy_(master)
 
 
 def sr_steps(trainer, modules, model_cfg, batches: list[list[dict]], seeds: list[int]) -> dict:

@@ -345,10 +345,19 @@ def _moe_train(world_overrides: dict, moe: MoEConfig = MOE):
     (dict(expert_model_parallel_size=4), 2,
      "parallel.expert_model_parallel_size=4 x expert tensor parallel 1 x parallel.pipeline=1 = 4 "
      "does not divide the world size (2 processes)"),
-    (dict(expert_model_parallel_size=2, tensor=2), 2,
+    (dict(expert_model_parallel_size=2, tensor=2, sequence=True), 2,
      "parallel.expert_model_parallel_size=2 x expert tensor parallel 2 x parallel.pipeline=1 = 4 "
      "does not divide the world size (2 processes)"),
-    (dict(expert_model_parallel_size=2, tensor=2, expert_tensor_parallel_size=1), 2, None),
+    (dict(expert_model_parallel_size=2, tensor=2, sequence=True, expert_tensor_parallel_size=1),
+     2, None),
+    # megatron's MoELayer refuses to train at TP > 1 without sequence parallelism (a ValueError
+    # at the first forward): said before the start
+    (dict(tensor=2), 2, "parallel.tensor=2 with MoE layers ('E' in model.pattern) needs "
+                        "parallel.sequence=true"),
+    (dict(tensor=2, sequence=True, expert_tensor_parallel_size=1), 2,
+     "parallel.expert_tensor_parallel_size=1 differs from parallel.tensor=2 at "
+     "parallel.expert_model_parallel_size=1: megatron marks expert weights expert-parallel only "
+     "at EP > 1"),
     (dict(expert_model_parallel_size=2), 4, None),
 ])
 def test_the_expert_parallel_layout_is_checked_against_the_world(parallel, world, message):
@@ -461,20 +470,6 @@ def test_expert_load_metrics_count_training_tokens_per_expert(parallel_context):
     assert line.startswith("expert load: max/mean ") and "aux loss mean" in line
     assert take_expert_load(moe_routers(
         _build(dataclasses.replace(TINY, pattern="M*", moe=None)).module)) == {}
-
-
-def test_a_training_run_with_expert_parallelism_is_refused_until_it_is_wired():
-    from training.config import refuse_expert_parallel_training
-
-    cfg = _moe_train(dict(expert_model_parallel_size=2))
-    with pytest.raises(ConfigError, match=r"^parallel.expert_model_parallel_size=2, parallel."
-                                          r"expert_tensor_parallel_size=None: training with "
-                                          "experts split otherwise than the dense layers is not "
-                                          "wired yet"):
-        refuse_expert_parallel_training(cfg.parallel)
-    refuse_expert_parallel_training(_moe_train({}).parallel)  # EP 1: trains
-    refuse_expert_parallel_training(_moe_train(dict(tensor=2, expert_tensor_parallel_size=2))
-                                    .parallel)
 
 
 def test_an_nvfp4_expert_without_tokens_is_skipped(parallel_context):

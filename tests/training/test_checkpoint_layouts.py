@@ -43,6 +43,20 @@ def test_where_each_layout_can_be_resumed():
     assert "tensor 1 -> 2" in problem and "spec te -> portable" in problem
     assert "trainer.checkpoint_layout=fully_reshardable" in problem
     assert "model.init_from=" in problem
+    # experts: fully_reshardable keys each expert by its global index (any EP loads it); the
+    # dp_reshardable expert buffer holds one EP rank's experts, and a manifest from before
+    # expert parallelism reads as EP 1, expert tensor parallel = tensor
+    for now in ({**SAME, "expert": 2}, {**SAME, "expert": 2, "expert_tensor": 1}):
+        assert ckpt.layout_problem({**fully, "expert": 4}, now, megatron_optimizer=True) is None
+    assert ckpt.layout_problem(dp, {**SAME, "expert": 1, "expert_tensor": 1},
+                               megatron_optimizer=False) is None
+    problem = ckpt.layout_problem({**dp, "expert": 2}, SAME, megatron_optimizer=False)
+    assert "(expert 2 -> 1)" in problem
+    problem = ckpt.layout_problem({**dp, "tensor": 2, "expert_tensor": 1},
+                                  {**SAME, "tensor": 2}, megatron_optimizer=False)
+    assert "(expert_tensor 1 -> 2)" in problem
+    assert ckpt.saved_layout_grid({"tensor": 2, "pipeline": 1}) == {
+        "tensor": 2, "pipeline": 1, "expert": 1, "expert_tensor": 2}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +78,8 @@ def _build(ctx, step: bool):
     _, optimizer = mp.build_data_parallel_model(core, TrainerConfig(distributed_optimizer=True),
                                                 ctx)
     if step:
-        optimizer.model.grad_data.normal_()
+        for buffer in optimizer.model.buffers:
+            buffer.grad_data.normal_()
         optimizer.step()
     return core, optimizer
 

@@ -210,3 +210,42 @@ def test_a_group_of_one_leaves_the_environment_to_child_processes(parallel_conte
     import os
 
     assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+
+
+def test_expert_parameters_get_their_own_buffer_and_every_piece_one_master(parallel_context):
+    """As megatron's DDP (distributed_data_parallel.py:106-126, core 0.16.1): the routed experts'
+    weights (allreduce=False) in a second flat buffer, after the dense one; the router, the
+    shared expert and everything else dense. Every element has one FP32 master, and a step
+    writes each master back into its own buffer."""
+    from hf_helpers import TINY_MOE
+
+    torch.manual_seed(0)
+    core = build_model(ModelConfig(vocab_size=256, pattern="ME*E", moe=TINY_MOE),
+                       PrecisionConfig(name="bf16", format="bf16"), vocab_size=256, backend="emulated", params_dtype=mp.PARAMS_DTYPE).module
+    routed = [p for n, p in core.named_parameters() if ".mlp.experts.local_experts." in n]
+    # at EP=1 megatron leaves every weight to the data-parallel all-reduce; at EP > 1 it marks
+    # the routed experts' (tensor_parallel/layers.py:886), as here
+    assert routed and all(getattr(p, "allreduce", True) for p in routed)
+    for p in routed:
+        p.allreduce = False
+    model, optimizer = mp.build_data_parallel_model(core, TrainerConfig(), parallel_context)
+    dense, experts = model.buffers
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    expert_names = [names[id(p)] for p in experts.params]
+    assert expert_names and all(".mlp.experts.local_experts." in n for n in expert_names)
+    assert not any(".mlp.experts.local_experts." in names[id(p)] for p in dense.params)
+    assert (dense.expert, experts.expert) == (False, True)
+    assert model.params == dense.params + experts.params
+    assert sum(b - a for _, a, b, _ in optimizer.pieces) == sum(p.numel() for p in model.params)
+    for buffer in model.buffers:
+        buffer.grad_data.normal_()
+    before = [b.param_data.clone() for b in model.buffers]
+    optimizer.step()
+    for (i, a, b, master), expert in zip(optimizer.pieces, optimizer.is_expert):
+        p = model.params[i]
+        assert p.data.view(-1)[a:b].equal(master.detach().to(mp.PARAMS_DTYPE))
+        assert p.data.data_ptr() >= model.buffers[int(expert)].param_data.data_ptr()
+    assert all(not b.param_data.equal(old) for b, old in zip(model.buffers, before))
+    # One process: the norm sums both buffers' squares once.
+    expected = torch.cat([b.grad_data for b in model.buffers]).double().norm().item()
+    assert optimizer.get_grad_norm() == pytest.approx(expected, rel=1e-6)
