@@ -118,3 +118,36 @@ def test_tp2_and_pp2_give_the_tp1_scores(run, tp1, data_cache, tmp_path):
                    "--first-stage-layers", "5", nproc=2)
     assert_same_scores(pp2, tp1["samples"][TASK], tp1["metrics"][f"eval/{TASK}/acc"], PP_TOL)
     assert pp2["metrics"] == pytest.approx(tp1["metrics"], abs=PP_TOL)
+
+
+# demo_moe at the test size: 8 routed experts of 64, top-2, a shared expert of 64, sigmoid
+# scores with the expert bias (which 2 steps move off zero), the router in FP32 on both sides.
+MOE_TRAIN = [*TRAIN, "model=demo_moe", "model.moe.ffn_hidden_size=64",
+             "model.moe.shared_expert_ffn_hidden_size=64"]
+
+
+def test_an_moe_runs_scores_match_lm_evals_hflm_on_its_hf_export(tmp_path, data_cache):
+    """Downstream evaluation of a hybrid MoE: tools.evaluate on the run against lm-eval's HFLM
+    on its export to transformers' NemotronH with `moe` layers, with the dense run's tolerance
+    (the routers score in FP32 on both sides, so the BF16 activations are what differs)."""
+    pytest.importorskip("transformers", reason="the Hugging Face extra: pip install -e '.[hf]'")
+    pytest.importorskip("accelerate", reason="lm-eval's HFLM imports accelerate")
+    from lm_eval.models.huggingface import HFLM
+
+    from tools import hf_export
+    from training.downstream import evaluate as lm_eval_evaluate
+    from training.downstream import flat_metrics, prepare_tasks
+
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *MOE_TRAIN, cache_dir=data_cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ours = evaluate(run_dir, tmp_path / "moe.json", data_cache)
+    export = tmp_path / "hf"
+    assert hf_export.main([str(run_dir), "--output", str(export)]) == 0
+    assert '"n_routed_experts": 8' in (export / "config.json").read_text()
+    hflm = HFLM(pretrained=str(export), dtype="float32", device="cpu", batch_size=8,
+                add_bos_token=False)
+    results = lm_eval_evaluate(hflm, [TASK], prepare_tasks([TASK]), limit=LIMIT,
+                               log_samples=True)
+    assert_same_scores(ours, results["samples"][TASK], flat_metrics(results)[f"eval/{TASK}/acc"],
+                       LOGLIK_TOL)
