@@ -620,8 +620,30 @@ def run_settings(runs_dir: Path) -> dict:
     trainer = {k: OmegaConf.select(cfg, f"trainer.{k}", default=None) if cfg else None
                for k in ("seq_length", "global_batch_size", "eval_batches", "max_steps")}
     trainer = {k: STUDY_TRAINER[k] if v is None else v for k, v in trainer.items()}
-    return {"trainer": trainer,
+    model = OmegaConf.to_container(cfg.model) if cfg is not None and "model" in cfg else None
+    return {"trainer": trainer, "model": model,
             "downstream_limit": OmegaConf.select(cfg, "evaluation.limit", default=None) if cfg else None}
+
+
+def model_line(model: dict | None, extra: list[str]) -> str:
+    """What the report says the runs trained: the demo's description, or the model of the runs'
+    config.yaml (name, pattern, MoE layers, BF16 layers) when an extra override changed it."""
+    if not any(o.split("=", 1)[0].lstrip("+~").startswith("model") for o in extra):
+        return "Demo hybrid (`M-M*-M-M-`, ~6M parameters, first 1 / last 2 pattern layers in BF16)"
+    if not model:
+        return "Model as the runs' config.yaml composes it (extra overrides below)"
+    line = f"Model `{model.get('name')}` (`{model.get('pattern')}`"
+    moe = model.get("moe")
+    if moe:
+        shared = moe.get("shared_expert_ffn_hidden_size")
+        line += (f"; each `E` {moe['num_experts']} routed experts of width {moe['ffn_hidden_size']}, "
+                 f"top-{moe['topk']}, {moe['score_function']} scores"
+                 + (", expert bias" if moe.get("expert_bias") else "")
+                 + (f", {moe['load_balancing']} x {moe['aux_loss_coeff']:g}"
+                    if moe.get("load_balancing") not in (None, "none") else "")
+                 + (f", a shared expert of {shared}" if shared else ""))
+    return (line + f"; first {model.get('bf16_first_layers')} / last "
+            f"{model.get('bf16_last_layers')} pattern layers in BF16)")
 
 
 def table_rows(summary: dict) -> list[dict]:
@@ -680,7 +702,7 @@ def render_readme(res: dict, out: Path) -> str:
         steps=steps, seq=seq, gbs=gbs,
         tokens=steps * seq * gbs if steps else None, tokens_per_step=seq * gbs,
         eval_batches=trainer["eval_batches"], late_steps=max(1, (steps or 4) // 4),
-        demo_model=not any(o.split("=", 1)[0].lstrip("+~").startswith("model") for o in extra),
+        model_line=model_line(res.get("model"), extra),
         headline=headline.read_text().strip() if headline.exists() else None,
         reading=reading.read_text().strip() if reading.exists() else None,
         rows=table_rows(res["summary"]), noise=res["seed_noise"], commands=commands,

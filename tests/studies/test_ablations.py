@@ -201,3 +201,33 @@ def test_a_report_without_runs_is_exit_3(tmp_path, capsys):
     assert code == ExitCode.MISSING
     assert "no ablation runs there" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_report_names_the_model_an_override_chose(tmp_path):
+    """`model=demo_moe` among the extra overrides: the report states the runs' model from their
+    config.yaml (its MoE layers included), not the demo's description."""
+    moe = {"num_experts": 8, "topk": 2, "ffn_hidden_size": 256, "score_function": "sigmoid",
+           "expert_bias": True, "load_balancing": "seq_aux_loss", "aux_loss_coeff": 1e-4,
+           "shared_expert_ffn_hidden_size": 256}
+    model = {"name": "demo_moe", "pattern": "MEM*EMEME", "bf16_first_layers": 1,
+             "bf16_last_layers": 2, "moe": moe}
+    assert A.model_line(model, ["model=demo_moe"]) == (
+        "Model `demo_moe` (`MEM*EMEME`; each `E` 8 routed experts of width 256, top-2, sigmoid "
+        "scores, expert bias, seq_aux_loss x 0.0001, a shared expert of 256; first 1 / last 2 "
+        "pattern layers in BF16)")
+    assert A.model_line(model, ["evaluation=demo"]).startswith("Demo hybrid (`M-M*-M-M-`")
+    assert A.model_line(None, ["model=demo_moe"]).startswith("Model as the runs' config.yaml")
+    runs = tmp_path / "runs"
+    for config in ("bf16", "nvfp4"):
+        write_run(runs / f"{config}-s1", 8, 3.0)
+        cfg = runs / f"{config}-s1" / "config.yaml"
+        cfg.write_text(cfg.read_text() + "model:\n  name: demo_moe\n  pattern: MEM*EMEME\n"
+                       "  bf16_first_layers: 1\n  bf16_last_layers: 2\n  moe:\n"
+                       + "".join(f"    {k}: {v}\n" for k, v in moe.items()))
+    (runs / "study.json").write_text(json.dumps({
+        "steps": 8, "overrides": ["experiment=ablations"], "extra_overrides": ["model=demo_moe"],
+        "plan": ["bf16-s1", "nvfp4-s1"], "sessions": []}))
+    A.write_report(runs, tmp_path / "out")
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "Model `demo_moe` (`MEM*EMEME`; each `E` 8 routed experts" in readme
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["model"]["moe"]["topk"] == 2
