@@ -69,7 +69,21 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    every CPU run's expected set-up, not news. A process-wide warnings filter, so only the entry
    points call it (train.py, the export and evaluation commands, the benches, the component
    study), never an import.
-Items 1-4, 8 and 9 select, replace or load; they never edit a library's globals.
+11. `cpu_alltoall_dispatcher_construction`: a patch. megatron's all-to-all token dispatcher makes
+   one CUDA stream for its device-to-host copies when the first one is built, into a class
+   attribute (`MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`, token_dispatcher.py:444-445 in
+   0.16.1, :468-469 in core_v0.19.0), which a torch without CUDA cannot make. For the duration
+   of building a model for a CPU run, that attribute holds a placeholder, so none is made; it is
+   None again afterwards (a GPU model built later makes its stream as usual). The copies themselves are model/moe.py's
+   (`PortableAlltoAllTokenDispatcher`, a subclass: on CPU tensors there is nothing to copy).
+12. `reset_moe_metrics_tracker`: megatron's process-wide MoE aux-loss tracker sizes each metric's
+   per-layer row by the first model that records into it (mc 0.16.1 moe_utils.py:893-897; core
+   0.18+ `MoEMetricsTracker.record`, core_v0.19.0 moe_logging.py:118-119), so a deeper model built
+   later in the same process would index past it. 0.16-0.17 keep a module dict, emptied here
+   (`get_moe_layer_wise_logging_tracker().clear()`); from core_v0.18.0 that function returns a
+   fresh copy of the new tracker's entries (core_v0.19.0 moe_utils.py:1085-1096) and the tracker
+   itself is dropped by megatron's `destroy_moe_metrics_tracker` (moe_logging.py:63).
+Items 1-4, 8, 9 and 12 select, replace or load; they never edit a library's globals.
 """
 
 from __future__ import annotations
@@ -306,6 +320,38 @@ def te_fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
             module.fuse_wgrad_accumulation = True
             count += 1
     return count
+
+
+# What item 11 holds in the dispatcher's stream attribute while a layer is built without CUDA.
+NO_CUDA_STREAM = "no CUDA stream: a CPU run (compat.cpu_alltoall_dispatcher_construction)"
+
+
+@contextmanager
+def cpu_alltoall_dispatcher_construction(cuda: bool):
+    """Build megatron's all-to-all token dispatcher for a CPU run (item 11); `cuda`: the run's
+    device is a GPU, where megatron makes its stream."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if cuda or MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None:
+        yield
+        return
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = NO_CUDA_STREAM
+    try:
+        yield
+    finally:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+
+
+def reset_moe_metrics_tracker() -> None:
+    """Start megatron's MoE aux-loss tracker afresh for a newly built model (item 12)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # core <= 0.17
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
 
 
 def quiet_cpu_fallback_warnings() -> None:

@@ -15,8 +15,8 @@ micro-batches of 4 x 256), stepping as benchmarks/step_profile.py does:
 Tokens per second per model and precision, every case interleaved with the others round by round
 (medians of `repeats` rounds of `steps` steps). Parts of the MoE step (benchmarks/part_timer.py;
 the innermost timed call owns the time): the router (megatron's TopKRouter: FP32 gating, top-k,
-the aux loss and the bias bookkeeping), the dispatch (megatron's all-gather token dispatcher, its
-six stages: permute, gather, unpermute), the routed experts (SequentialMLP with their
+the aux loss and the bias bookkeeping), the dispatch (megatron's all-to-all token dispatcher, its
+six stages: token counts, permute, all-to-all, sort by expert, and back), the routed experts (SequentialMLP with their
 emulated-precision linears, quantizers included) and the shared expert, in the forward; the
 backward of the MoE layers as one part (autograd runs it, so its parts cannot be told apart
 without torch.profiler's ~10 us per op): from the gradient reaching a layer's output to its
@@ -52,12 +52,12 @@ ROUTER, DISPATCH, EXPERTS, SHARED = ("moe/router", "moe/dispatch", "moe/routed e
                                      "moe/shared expert")
 BACKWARD = "moe/backward, all parts"
 PART_LABELS = (ROUTER, DISPATCH, EXPERTS, SHARED, BACKWARD)
-_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher.MoEAllGatherTokenDispatcher"
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher"
 
 
 def moe_parts() -> list[Part]:
     """The MoE layer's parts, by the functions that do them (mc 0.16.1: router.py:639,
-    token_dispatcher.py:246-343, shared_experts.py:125; model/moe.py's experts)."""
+    token_dispatcher.py:592-830, shared_experts.py:125; model/moe.py's experts)."""
     return [Part("megatron.core.transformer.moe.router.TopKRouter", "forward", ROUTER),
             *(Part(_DISPATCHER, stage, DISPATCH)
               for stage in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",

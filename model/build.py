@@ -26,7 +26,8 @@ from .backend import SPEC_OF_BACKEND, choose_backend, mamba_mem_eff_path  # noqa
 from .backend import fused_conv1d_loads
 from .config import ModelConfig, policy_for, precision_policy  # noqa: F401  (re-exported)
 from .mamba_mixer import mamba_kernels_how
-from .moe import local_expert_module, moe_transformer_fields, te_moe_refusal
+from .moe import (local_expert_module, moe_transformer_fields, te_moe_refusal,
+                  use_portable_dispatchers)
 from .recompute import RecomputeConfig
 from .specs import portable_layer_spec, te_layer_spec, with_linear_contexts
 from .stack import HybridStack
@@ -160,7 +161,7 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int = 1, pipeline_p
         pipeline_dtype=params_dtype,  # what flows between pipeline stages
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
-        **moe_transformer_fields(cfg, cuda=not cpu_initialization),
+        **moe_transformer_fields(cfg),
     )
 
 
@@ -243,18 +244,22 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig, *, vocab_size: int
                                 fuse_wgrad=fusion == "config", **stage_kwargs)
     model_cls = compat.hybrid_model_class()
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
-    module = model_cls(
-        config=config,
-        vocab_size=padded_vocab_size(cfg.vocab_size or vocab_size, cfg.vocab_multiple,
-                                     tensor_parallel),
-        max_sequence_length=cfg.max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="none",
-        **compat.hybrid_model_kwargs(stack_spec, cfg.pattern),
-        **extra,
-    )
+    with compat.cpu_alltoall_dispatcher_construction(cuda):
+        module = model_cls(
+            config=config,
+            vocab_size=padded_vocab_size(cfg.vocab_size or vocab_size, cfg.vocab_multiple,
+                                         tensor_parallel),
+            max_sequence_length=cfg.max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="none",
+            **compat.hybrid_model_kwargs(stack_spec, cfg.pattern),
+            **extra,
+        )
+    if cfg.moe is not None:
+        use_portable_dispatchers(module)
+        compat.reset_moe_metrics_tracker()  # its rows are sized by the model that logs first
     if fusion == "te_layers":
         compat.te_fuse_wgrad_accumulation(module)
     if spec_family == "te":

@@ -12,10 +12,12 @@ precision policy's linears in its experts.
   `precision.overrides` gives another format is switched to it after the build
   (`PolicySequentialMLP`), by the same call the controller uses at run time (set_formats).
 - Shared expert: megatron's SharedExpertMLP with the same linears.
-- Dispatch: dropless (moe_expert_capacity_factor=None). The portable spec uses megatron's
-  all-gather dispatcher; the all-to-all one needs CUDA streams at construction and in its
-  device-to-host copies (mc 0.16.1 transformer/moe/token_dispatcher.py:444-445, 862-895), so it
-  runs only on a GPU.
+- Dispatch: dropless (moe_expert_capacity_factor=None), by megatron's all-to-all token
+  dispatcher on every device, so a CPU run over gloo runs the dispatch code a GPU runs over
+  NCCL. `PortableAlltoAllTokenDispatcher` only replaces its device-to-host copies, which use a
+  CUDA stream (mc 0.16.1 transformer/moe/token_dispatcher.py:862-898, core_v0.19.0 :913-949),
+  by what they leave on a CPU run (`use_portable_dispatchers`, after the build); compat item 11
+  keeps its constructor from making that stream on a torch without CUDA.
 
 On the TE spec the experts would be megatron's TEGroupedMLP (one grouped GEMM per layer,
 TEGroupedLinear; transformer/moe/experts.py:512 in mc 0.16.1), which runs NVFP4 only with TE's
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.utils import get_pg_rank
 
 from nvfp4_recipe.passes import PassFormats
@@ -40,7 +43,7 @@ from nvfp4_recipe.passes import PassFormats
 from .config import ModelConfig
 
 
-def moe_transformer_fields(cfg: ModelConfig, cuda: bool) -> dict:
+def moe_transformer_fields(cfg: ModelConfig) -> dict:
     """megatron's TransformerConfig fields of the model's MoE layers ({} without any)."""
     moe = cfg.moe
     if moe is None:
@@ -61,9 +64,46 @@ def moe_transformer_fields(cfg: ModelConfig, cuda: bool) -> dict:
         "moe_router_pre_softmax": moe.topk == 1 and moe.score_function == "softmax",
         "moe_router_dtype": "fp32",  # the router stays in high precision
         "moe_expert_capacity_factor": None,  # dropless
-        "moe_token_dispatcher_type": "alltoall" if cuda else "allgather",
+        "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,  # SequentialMLP: one emulated linear pair per expert
     }
+
+
+class PortableAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all token dispatcher, whose device-to-host copies also run on a CPU run.
+
+    On a GPU, megatron's: at `cuda_dtoh_point` the split sizes and token counts are copied to the
+    host on a side stream, and the step waits for them at `cuda_sync_point`. On CPU tensors there
+    is nothing to copy or wait for; what the copies leave is kept: the all-to-all split sizes as
+    numpy arrays (maybe_move_tensor_to_cpu(as_numpy=True) returns those from a GPU tensor, and a
+    CPU tensor unchanged: moe_utils.py:1078-1100 in mc 0.16.1). It adds no state: megatron's
+    MoELayer builds its dispatcher itself (moe_layer.py:203-209 in mc 0.16.1, :306-312 in
+    core_v0.19.0, with the layer's process groups), and `use_portable_dispatchers` makes that
+    object one of these."""
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+        if self.routing_map.is_cuda:
+            if self.cuda_dtoh_stream is None:  # its stream was never made (compat item 11)
+                raise RuntimeError("this MoE model was built for a CPU run (build_model(cuda="
+                                   "False)) and then run on a GPU: build it with cuda=True")
+            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+
+def use_portable_dispatchers(module: torch.nn.Module) -> int:
+    """Give every MoE layer of a built model the portable device-to-host step of its all-to-all
+    dispatcher (the subclass adds a method, no state); returns how many."""
+    # a dispatcher is no nn.Module: found through the layers that hold one
+    dispatchers = [m.token_dispatcher for m in module.modules()
+                   if type(getattr(m, "token_dispatcher", None)) is MoEAlltoAllTokenDispatcher]
+    for dispatcher in dispatchers:
+        dispatcher.__class__ = PortableAlltoAllTokenDispatcher
+    return len(dispatchers)
 
 
 class PortableTopKRouter(TopKRouter):

@@ -260,3 +260,40 @@ def test_quiet_cpu_fallback_warnings_hides_only_megatrons_fallback_notice():
                       "optimizers.", UserWarning)
         warnings.warn("something else", UserWarning)
     assert [str(w.message) for w in seen] == ["something else"]
+
+
+def test_the_all_to_all_dispatcher_builds_without_cuda_and_leaves_no_placeholder():
+    """compat item 11: megatron makes its device-to-host stream at the first construction
+    (why the patch exists), which a torch without CUDA cannot; for a CPU run none is made, and
+    the class attribute is None again afterwards; a GPU run is left to megatron."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    source = inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
+    assert "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()" in source
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None
+    with compat.cpu_alltoall_dispatcher_construction(cuda=True):
+        assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None
+    with compat.cpu_alltoall_dispatcher_construction(cuda=False):
+        assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream == compat.NO_CUDA_STREAM
+        with compat.cpu_alltoall_dispatcher_construction(cuda=False):  # the outer one restores
+            pass
+        assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream == compat.NO_CUDA_STREAM
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None
+
+
+def test_a_deeper_moe_model_after_a_shallower_one_logs_its_aux_losses():
+    """compat item 12: megatron's tracker rows are sized by the first model that logs (why the
+    reset exists); after the reset a model of more layers records into rows of its own."""
+    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
+                                                         save_to_aux_losses_tracker)
+
+    compat.reset_moe_metrics_tracker()
+    save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.0), 2, num_layers=4)
+    with pytest.raises(IndexError):
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.0), 9, num_layers=9)
+    compat.reset_moe_metrics_tracker()
+    save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(2.0), 9, num_layers=9)
+    values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    assert values.tolist() == [0.0] * 8 + [2.0]
+    compat.reset_moe_metrics_tracker()
+    assert get_moe_layer_wise_logging_tracker() == {}

@@ -111,7 +111,8 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[dict], ctx: Paralle
                                   forward_only)
     # megatron's first-dim all-gather / reduce-scatter allocate on torch.cuda.current_device()
     # (tensor_parallel/mappings.py:141): sequence parallelism uses them, and so does the MoE
-    # all-gather token dispatcher over the expert-parallel group (token_dispatcher.py:265)
+    # all-to-all token dispatcher over the expert-parallel group (its token counts' gather,
+    # token_dispatcher.py:536, and its all-to-all-v's output, mappings.py:442)
     gathers = config.sequence_parallel or config.expert_model_parallel_size > 1
     with cpu_sequence_parallel_buffers(gathers, cuda=False), gemm.context():
         if ctx.pipeline == 1:

@@ -125,6 +125,44 @@ def test_the_moe_layer_routes_as_the_rule(parallel_context):
     assert moved > 10 * 2e-2 * scale
 
 
+def test_the_tokens_go_through_megatrons_all_to_all_dispatcher_on_cpu(parallel_context):
+    """The dispatcher a GPU runs (megatron's all-to-all, its stages and split bookkeeping), here
+    over the CPU: built without a CUDA stream (compat item 11), its device-to-host step the
+    portable one (model/moe.py), and the same output as the all-gather dispatcher's."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                                MoEAlltoAllTokenDispatcher)
+
+    from model.moe import PortableAlltoAllTokenDispatcher
+
+    built = _build()
+    layer = built.module.decoder.layers[1].mlp
+    assert layer.config.moe_token_dispatcher_type == "alltoall"
+    assert type(layer.token_dispatcher) is PortableAlltoAllTokenDispatcher
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None or torch.cuda.is_available()
+    x = torch.randn(16, 2, 64)
+    dispatcher, points = layer.token_dispatcher, []
+    portable_step = dispatcher._maybe_dtoh_and_synchronize
+
+    def recorded(point, tokens_per_expert=None):
+        points.append(point)
+        return portable_step(point, tokens_per_expert)
+
+    dispatcher._maybe_dtoh_and_synchronize = recorded
+    with torch.no_grad():
+        ours, _ = layer(x)
+        # megatron's four device-to-host points of a dispatch and its combine (mc 0.16.1
+        # token_dispatcher.py:629, 663, 704, 740)
+        assert points == ["before_permutation_1", "before_ep_alltoall", "before_permutation_2",
+                          "before_finish"]
+        layer.token_dispatcher = MoEAllGatherTokenDispatcher(
+            layer.num_local_experts, layer.local_expert_indices, config=layer.config,
+            pg_collection=get_default_pg_collection())
+        gathered, _ = layer(x)
+    # the same tokens meet the same experts in another order: sums in another order (BF16)
+    assert torch.allclose(ours, gathered, atol=1e-2 * gathered.abs().max(), rtol=0)
+
+
 def test_expert_bias_moves_against_the_load(parallel_context):
     """Aux-loss-free balancing: after a step, megatron's update (finalize_model_grads ->
     get_updated_expert_bias) lowers the bias of the experts above the mean load and raises the

@@ -1,5 +1,5 @@
 """An MoE layer at expert parallel 2 over two gloo processes (parallel.expert_model_parallel_size,
-megatron's all-gather token dispatcher on CPU): each rank holds half the experts, routes its own
+megatron's all-to-all token dispatcher on CPU, over gloo): each rank holds half the experts, routes its own
 tokens, and its output, its input gradient and its experts' weight gradients equal the rule
 computed with every expert on every rank's tokens, as expert parallel 1 does
 (tests/model/test_moe.py::test_the_moe_layer_routes_as_the_rule)."""
