@@ -78,12 +78,14 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    (`PortableAlltoAllTokenDispatcher`, a subclass: on CPU tensors there is nothing to copy).
 12. `reset_moe_metrics_tracker`: megatron's process-wide MoE aux-loss tracker sizes each metric's
    per-layer row by the first model that records into it (mc 0.16.1 moe_utils.py:893-897; core
-   0.18+ `MoEMetricsTracker.record`, core_v0.19.0 moe_logging.py:118-119), so a deeper model built
+   0.18+ `MoEMetricsTracker.record`, core_v0.19.0 moe_logging.py:121-122), so a deeper model built
    later in the same process would index past it. 0.16-0.17 keep a module dict, emptied here
    (`get_moe_layer_wise_logging_tracker().clear()`); from core_v0.18.0 that function returns a
    fresh copy of the new tracker's entries (core_v0.19.0 moe_utils.py:1085-1096) and the tracker
-   itself is dropped by megatron's `destroy_moe_metrics_tracker` (moe_logging.py:63).
-Items 1-4, 8, 9 and 12 select, replace or load; they never edit a library's globals.
+   itself is dropped by megatron's `destroy_moe_metrics_tracker` (moe_logging.py:63). Called when
+   an MoE model is built and after each step's expert-load metrics have read the tracker.
+Items 1-4, 8 and 9 select, replace or load; they never edit a library's globals. Item 12 empties
+megatron's process-wide tracker through megatron's own functions.
 """
 
 from __future__ import annotations

@@ -17,22 +17,25 @@ Tokens per second per model and precision, every case interleaved with the other
 the innermost timed call owns the time): the router (megatron's TopKRouter: FP32 gating, top-k,
 the aux loss and the bias bookkeeping), the dispatch (megatron's all-to-all token dispatcher, its
 six stages: token counts, permute, all-to-all, sort by expert, and back), the routed experts (SequentialMLP with their
-emulated-precision linears, quantizers included) and the shared expert, in the forward; the
-backward of the MoE layers as one part (autograd runs it, so its parts cannot be told apart
-without torch.profiler's ~10 us per op): from the gradient reaching a layer's output to its
-input's gradient (`time_moe_backward`).
+emulated-precision linears, quantizers included) and the shared expert, in the forward. For
+every model, its feed-forward layers (MoE or MLP) as a whole, forward and backward (module hooks,
+`time_ffn_layers`: autograd runs the backward, so its parts cannot be told apart without
+torch.profiler's ~10 us per op), and the optimizer, so the MoE model's deficit against its twin
+is measured where it arises.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from megatron.core.transformer.mlp import MLP
 
 from errors import ExitCode
 from model.build import build_model
@@ -50,14 +53,19 @@ MODELS = ("demo_moe", "dense_same_active", "demo")
 PRECISIONS = ("bf16", "nvfp4")
 ROUTER, DISPATCH, EXPERTS, SHARED = ("moe/router", "moe/dispatch", "moe/routed experts",
                                      "moe/shared expert")
-BACKWARD = "moe/backward, all parts"
-PART_LABELS = (ROUTER, DISPATCH, EXPERTS, SHARED, BACKWARD)
+MOE_PARTS = (ROUTER, DISPATCH, EXPERTS, SHARED)
+# Every model's feed-forward layers (MoE or MLP) as a whole, and the optimizer: what differs
+# between demo_moe and its dense twin, measured rather than inferred.
+FFN_FORWARD, FFN_BACKWARD = "ffn layers/forward", "ffn layers/backward"
+OPTIMIZER = "optimizer (grad clip + step)"
+STEP_REGIONS = ("step/grad_clip", "step/optimizer")  # step_profile._step's
+PART_LABELS = (*MOE_PARTS, FFN_FORWARD, FFN_BACKWARD, OPTIMIZER)
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher"
 
 
 def moe_parts() -> list[Part]:
     """The MoE layer's parts, by the functions that do them (mc 0.16.1: router.py:639,
-    token_dispatcher.py:592-830, shared_experts.py:125; model/moe.py's experts)."""
+    token_dispatcher.py:592-849, shared_experts.py:125; model/moe.py's experts)."""
     return [Part("megatron.core.transformer.moe.router.TopKRouter", "forward", ROUTER),
             *(Part(_DISPATCHER, stage, DISPATCH)
               for stage in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
@@ -67,25 +75,36 @@ def moe_parts() -> list[Part]:
                  SHARED)]
 
 
-def time_moe_backward(module: torch.nn.Module, seconds: dict) -> list:
-    """Hooks adding each MoE layer's backward wall time to seconds[BACKWARD]: from the gradient of
-    its output arriving (full backward pre-hook) to its input's gradient (full backward hook).
-    CPU autograd runs the graph on the caller's thread, newest node first, so the interval is
-    the layer's own backward (router, dispatch, experts, shared expert). Returns the handles."""
+def time_ffn_layers(module: torch.nn.Module, seconds: dict) -> list:
+    """Hooks adding the wall time of every feed-forward layer (a pattern layer's MoELayer or MLP)
+    to seconds[FFN_FORWARD] and seconds[FFN_BACKWARD]. The backward runs from the gradient of its
+    output arriving (full backward pre-hook) to its input's gradient (full backward hook); CPU
+    autograd runs the graph on the caller's thread, newest node first, so the interval is the
+    layer's own backward (for an MoE layer: router, dispatch, experts and shared expert).
+    Returns the handles."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    handles = []
-    for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
+    def timed(label: str):
         started: list[float] = []
 
-        def pre(_module, _grad_output, started=started):
+        def begin(*_):
             started.append(time.perf_counter())
 
-        def post(_module, _grad_input, _grad_output, started=started):
-            seconds[BACKWARD] += time.perf_counter() - started.pop()
+        def end(*_):
+            seconds[label] += time.perf_counter() - started.pop()
 
-        handles += [layer.register_full_backward_pre_hook(pre),
-                    layer.register_full_backward_hook(post)]
+        return begin, end
+
+    handles = []
+    for layer in module.decoder.layers:
+        ffn = getattr(layer, "mlp", None)
+        if not isinstance(ffn, (MoELayer, MLP)):
+            continue  # Mamba and attention layers (their mlp is megatron's IdentityOp)
+        begin, end = timed(FFN_FORWARD)
+        handles += [ffn.register_forward_pre_hook(begin), ffn.register_forward_hook(end)]
+        begin, end = timed(FFN_BACKWARD)
+        handles += [ffn.register_full_backward_pre_hook(begin),
+                    ffn.register_full_backward_hook(end)]
     return handles
 
 
@@ -119,14 +138,14 @@ def active_parameters(cfg: ModelConfig, module: torch.nn.Module) -> int:
     return total - routed * (cfg.moe.num_experts - cfg.moe.topk) // cfg.moe.num_experts
 
 
-def _setup(name: str, precision: str, ctx, backward_s: dict):
+def _setup(name: str, precision: str, ctx, hooked_s: dict):
     torch.manual_seed(0)
     cfg = model_config(name)
     built = build_model(cfg, PrecisionConfig(name=precision, format=precision),
                         vocab_size=cfg.vocab_size, backend="emulated", params_dtype=PARAMS_DTYPE)
     params = (sum(p.numel() for p in built.module.parameters()),
               active_parameters(cfg, built.module))
-    time_moe_backward(built.module, backward_s)
+    time_ffn_layers(built.module, hooked_s)
     model, optimizer = build_data_parallel_model(built.module, TrainerConfig(), ctx)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
@@ -140,26 +159,30 @@ def measure(models: list[str], precisions: list[str], steps: int, repeats: int) 
     cases = [(m, p) for p in precisions for m in models]
     try:
         gemm = _TalliedGemms(ctx.hardware.gemm_compute("auto"))
-        backward_s: dict[str, float] = defaultdict(float)  # time_moe_backward's, per step
-        built = {case: _setup(*case, ctx, backward_s) for case in cases}
+        hooked_s: dict[str, float] = defaultdict(float)  # time_ffn_layers', per step
+        built = {case: _setup(*case, ctx, hooked_s) for case in cases}
         with PartTimer(moe_parts()) as timer:
             for case in cases:  # warm-up: compiled kernels, allocator
                 for _ in range(2):
                     _step(*built[case][0], ctx, gemm, timer)
             timer.take()
-            backward_s.clear()
+            hooked_s.clear()
             meter = MachineLoad().start()
             times, parts = defaultdict(list), {case: defaultdict(list) for case in cases}
-            for round_ in range(repeats):
-                # interleaved, so a load change hits every case alike, and rotated, so no case
-                # always follows the same one (the step after an MoE case runs measurably slower)
-                for case in cases[round_ % len(cases):] + cases[:round_ % len(cases)]:
+            order = random.Random(0)
+            for _ in range(repeats):
+                # interleaved, so a load change hits every case alike, in a new order each round,
+                # so no case always follows the same one (a step right after an MoE case's runs
+                # measurably slower)
+                for case in order.sample(cases, len(cases)):
                     for _ in range(steps):
                         start = time.perf_counter()
                         _step(*built[case][0], ctx, gemm, timer)
                         wall = time.perf_counter() - start
                         seconds, _ = timer.take()
-                        seconds[BACKWARD] = backward_s.pop(BACKWARD, 0.0)
+                        seconds.update(hooked_s)
+                        hooked_s.clear()
+                        seconds[OPTIMIZER] = sum(seconds.get(r, 0.0) for r in STEP_REGIONS)
                         times[case].append(wall)
                         for label in PART_LABELS:
                             parts[case][label].append(seconds.get(label, 0.0))
@@ -192,10 +215,19 @@ def report(result: dict) -> str:
         ratio = f"{c['tokens_per_s'] / same['tokens_per_s']:.2f}x" if same else "-"
         lines.append(f"| {m} | {p} | {c['parameters'] / 1e6:.2f}M | {c['active'] / 1e6:.2f}M | "
                      f"{c['step_s'] * 1e3:.0f} ms | {c['tokens_per_s']:,.0f} | {ratio} |")
-    lines += ["", "Where the MoE step's time goes (the forward by part, the MoE layers' backward "
-              "as one; each its share of the whole step):", "", "| part | " + " | ".join(f"demo_moe {p}" for p in precisions) + " |",
+    lines += ["", "Where each step goes (the feed-forward layers, MoE or MLP, forward and backward; "
+              "the optimizer; the rest: Mamba, attention, embedding, loss):", "",
+              "| model | precision | step | ffn forward | ffn backward | optimizer | rest |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for (m, p), c in cases.items():
+        ffn = [c["parts_s"].get(k, 0.0) for k in (FFN_FORWARD, FFN_BACKWARD, OPTIMIZER)]
+        lines.append(f"| {m} | {p} | {c['step_s'] * 1e3:.0f} ms | "
+                     + " | ".join(f"{v * 1e3:.0f} ms" for v in ffn)
+                     + f" | {(c['step_s'] - sum(ffn)) * 1e3:.0f} ms |")
+    lines += ["", "The MoE layers' forward by part (each its share of the whole step):", "",
+              "| part | " + " | ".join(f"demo_moe {p}" for p in precisions) + " |",
               "|---|" + "---:|" * len(precisions)]
-    for label in PART_LABELS:
+    for label in MOE_PARTS:
         cells = []
         for p in precisions:
             c = cases.get(("demo_moe", p))

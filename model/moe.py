@@ -15,7 +15,7 @@ precision policy's linears in its experts.
 - Dispatch: dropless (moe_expert_capacity_factor=None), by megatron's all-to-all token
   dispatcher on every device, so a CPU run over gloo runs the dispatch code a GPU runs over
   NCCL. `PortableAlltoAllTokenDispatcher` only replaces its device-to-host copies, which use a
-  CUDA stream (mc 0.16.1 transformer/moe/token_dispatcher.py:862-898, core_v0.19.0 :913-949),
+  CUDA stream (mc 0.16.1 transformer/moe/token_dispatcher.py:862-901, core_v0.19.0 :913-952),
   by what they leave on a CPU run (`use_portable_dispatchers`, after the build); compat item 11
   keeps its constructor from making that stream on a torch without CUDA.
 
@@ -38,6 +38,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.utils import get_pg_rank
 
+from compat import reset_moe_metrics_tracker
 from nvfp4_recipe.passes import PassFormats
 
 from .config import ModelConfig
@@ -187,8 +188,7 @@ def take_expert_load(routers: list[tuple[int, PortableTopKRouter]], micro_batche
     token counts are summed over `group`, the ranks that route different tokens (`routing_group`:
     every rank of it must call this), and the auxiliary losses reduced as megatron's logging
     does (`_reduce_aux_losses`). Empty without MoE layers."""
-    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                         get_moe_layer_wise_logging_tracker)
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     if not routers:
         return {}
@@ -214,7 +214,8 @@ def take_expert_load(routers: list[tuple[int, PortableTopKRouter]], micro_batche
                 metrics[f"moe/{i}/aux_loss"] = entry["values"][i].item() / micro_batches
         if load.numel() <= PER_EXPERT_MAX:
             metrics.update({f"moe/{i}/tokens/{e}": int(n) for e, n in enumerate(load.tolist())})
-    clear_aux_losses_tracker()
+    # emptied, not zeroed: the next model to log sizes its own rows (compat item 12)
+    reset_moe_metrics_tracker()
     return metrics
 
 
@@ -249,9 +250,12 @@ def _reduce_aux_losses(tracker: dict) -> None:
 
     for name in sorted(tracker):
         entry, values = tracker[name], tracker[name]["values"]
+        # 0.16-0.17 say whether the reduce group spans the data-parallel ranks already;
+        # 0.18+ say the opposite, whether to average over them (core_v0.19.0 moe_utils.py:1090)
+        has_dp = entry.get("reduce_group_has_dp", not entry.get("needs_dp_avg", True))
         if entry.get("reduce_group") is not None:
             dist.all_reduce(values, group=entry["reduce_group"])
-            if not entry.get("reduce_group_has_dp", False):
+            if not has_dp:
                 mean_over(values, ps.get_data_parallel_group())
         if entry.get("avg_group") is not None:
             mean_over(values, entry["avg_group"])

@@ -642,8 +642,11 @@ def model_line(model: dict | None, extra: list[str]) -> str:
                  + (f", {moe['load_balancing']} x {moe['aux_loss_coeff']:g}"
                     if moe.get("load_balancing") not in (None, "none") else "")
                  + (f", a shared expert of {shared}" if shared else ""))
-    return (line + f"; first {model.get('bf16_first_layers')} / last "
-            f"{model.get('bf16_last_layers')} pattern layers in BF16)")
+    # the model's own BF16 layers: a precision config may replace them (nvfp4_nemotron3's
+    # bf16_last_fraction), and the table's rows are per config
+    return (line + f"; by default first {model.get('bf16_first_layers')} / last "
+            f"{model.get('bf16_last_layers')} pattern layers in BF16, as each precision config "
+            "keeps or replaces them)")
 
 
 def table_rows(summary: dict) -> list[dict]:

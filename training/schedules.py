@@ -111,9 +111,13 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[dict], ctx: Paralle
                                   forward_only)
     # megatron's first-dim all-gather / reduce-scatter allocate on torch.cuda.current_device()
     # (tensor_parallel/mappings.py:141): sequence parallelism uses them, and so does the MoE
-    # all-to-all token dispatcher over the expert-parallel group (its token counts' gather,
-    # token_dispatcher.py:536, and its all-to-all-v's output, mappings.py:442)
-    gathers = config.sequence_parallel or config.expert_model_parallel_size > 1
+    # all-to-all token dispatcher whenever it spans ranks, expert-parallel or expert
+    # tensor-parallel (its token counts' gather, token_dispatcher.py:538-541, its TP gather,
+    # :696, and its all-to-all-v's output, mappings.py:442), as in an evaluation at TP=2 without
+    # sequence parallelism (expert TP defaults to TP, parallel_state.py:786-787)
+    experts_span = config.num_moe_experts is not None and (
+        config.expert_model_parallel_size * (config.expert_tensor_parallel_size or 1) > 1)
+    gathers = config.sequence_parallel or experts_span
     with cpu_sequence_parallel_buffers(gathers, cuda=False), gemm.context():
         if ctx.pipeline == 1:
             return _accumulate(model, micro_batches, forward_step, config, forward_only)

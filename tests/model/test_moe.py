@@ -159,8 +159,35 @@ def test_the_tokens_go_through_megatrons_all_to_all_dispatcher_on_cpu(parallel_c
             layer.num_local_experts, layer.local_expert_indices, config=layer.config,
             pg_collection=get_default_pg_collection())
         gathered, _ = layer(x)
-    # the same tokens meet the same experts in another order: sums in another order (BF16)
-    assert torch.allclose(ours, gathered, atol=1e-2 * gathered.abs().max(), rtol=0)
+    # at EP = TP = 1 both permute the tokens by expert the same way (the all-to-all's sort by
+    # expert is the identity): the same arithmetic, bit for bit
+    assert torch.equal(ours, gathered)
+
+
+def test_the_portable_device_to_host_step_leaves_what_megatrons_copies_leave():
+    """At the copy point megatron turns the all-to-all split sizes into numpy arrays
+    (maybe_move_tensor_to_cpu(as_numpy=True), mc 0.16.1 token_dispatcher.py:879-887) and keeps
+    the token counts as CPU tensors; on CPU tensors the portable step does the same, and nothing
+    at the other points (EP = TP = 1 leaves the splits None: the EP=2 system tests run this)."""
+    import numpy as np
+
+    from model.moe import PortableAlltoAllTokenDispatcher
+
+    dispatcher = _build().module.decoder.layers[1].mlp.token_dispatcher
+    assert isinstance(dispatcher, PortableAlltoAllTokenDispatcher)
+    dispatcher.routing_map = torch.zeros(4, 4, dtype=torch.bool)
+    splits = {"input_splits": torch.tensor([3, 5]), "output_splits": torch.tensor([4, 6]),
+              "output_splits_tp": torch.tensor([10])}
+    for name, value in splits.items():
+        setattr(dispatcher, name, value)
+    counts = torch.tensor([1, 2, 3, 4])
+    other = next(p for p in dispatcher.cuda_sync_point_priority if p != dispatcher.cuda_dtoh_point)
+    assert dispatcher._maybe_dtoh_and_synchronize(other, counts) is counts
+    assert all(torch.is_tensor(getattr(dispatcher, name)) for name in splits)
+    assert dispatcher._maybe_dtoh_and_synchronize(dispatcher.cuda_dtoh_point, counts) is counts
+    for name, value in splits.items():
+        converted = getattr(dispatcher, name)
+        assert isinstance(converted, np.ndarray) and converted.tolist() == value.tolist()
 
 
 def test_expert_bias_moves_against_the_load(parallel_context):

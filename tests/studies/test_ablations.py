@@ -213,8 +213,8 @@ def test_the_report_names_the_model_an_override_chose(tmp_path):
              "bf16_last_layers": 2, "moe": moe}
     assert A.model_line(model, ["model=demo_moe"]) == (
         "Model `demo_moe` (`MEM*EMEME`; each `E` 8 routed experts of width 256, top-2, sigmoid "
-        "scores, expert bias, seq_aux_loss x 0.0001, a shared expert of 256; first 1 / last 2 "
-        "pattern layers in BF16)")
+        "scores, expert bias, seq_aux_loss x 0.0001, a shared expert of 256; by default first 1 / "
+        "last 2 pattern layers in BF16, as each precision config keeps or replaces them)")
     assert A.model_line(model, ["evaluation=demo"]).startswith("Demo hybrid (`M-M*-M-M-`")
     assert A.model_line(None, ["model=demo_moe"]).startswith("Model as the runs' config.yaml")
     runs = tmp_path / "runs"
