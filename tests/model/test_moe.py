@@ -574,3 +574,31 @@ def test_the_bias_update_counts_stay_exact_under_bf16_weights(parallel_context):
     counts = router.local_tokens_per_expert
     assert counts.dtype == torch.float32 and counts.sum() == 8 * 128 * MOE.topk
     assert torch.equal(counts.long(), router.load_seen)  # ~512 per expert: exact
+
+
+@pytest.mark.parametrize("flags,averaged", [
+    ({"reduce_group_has_dp": False}, True),   # mc 0.16-0.17's key
+    ({"reduce_group_has_dp": True}, False),
+    ({"needs_dp_avg": True}, True),           # core 0.18+'s key, the opposite sense
+    ({"needs_dp_avg": False}, False),
+])
+def test_aux_losses_are_averaged_over_data_parallel_ranks_as_the_release_says(
+        parallel_context, monkeypatch, flags, averaged):
+    """The tracker's reduction (megatron's reduce_aux_losses_tracker_across_ranks): summed over
+    the loss's reduce group, then averaged over the data-parallel ranks unless the entry says
+    its group spans them already, in either release's words."""
+    from megatron.core import parallel_state as ps
+
+    from model import moe
+
+    reduce_group, dp_group, reduced = object(), object(), []
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: dp_group)
+    monkeypatch.setattr(moe.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(moe.dist, "all_reduce",
+                        lambda values, group=None: reduced.append(group) or values.mul_(2))
+    tracker = {"load_balancing_loss": {"values": torch.tensor([1.0, 3.0]),
+                                       "reduce_group": reduce_group, "avg_group": None, **flags}}
+    moe._reduce_aux_losses(tracker)
+    assert reduced == ([reduce_group, dp_group] if averaged else [reduce_group])
+    # a sum over 2 ranks holding the same values; a mean over 2 more leaves it (sum, then / 2)
+    assert tracker["load_balancing_loss"]["values"].tolist() == [2.0, 6.0]
