@@ -28,6 +28,9 @@
 #   resume      demo_bf16 resumed from its step-DEMO_STEPS checkpoint (training/safe_load.py) for
 #               the 2 last steps: the same losses as the uninterrupted run (launch/gpu_check_plan.py)
 #   demo_nvfp4  DEMO_STEPS steps with emulated NVFP4 GEMMs
+#   demo_moe    MOE_STEPS (GPU 10) steps of the hybrid MoE demo (model=demo_moe), NVFP4 experts:
+#               megatron's all-to-all token dispatcher with its CUDA-stream copies, the FP32
+#               router, expert load and aux loss in the metrics
 #   bench       python -m benchmarks.hardware: GEMMs at 12B shapes; training tokens/s and MFU of
 #               the demo and (GPU) of the ~1B hybrid, BF16 and NVFP4
 # Without CUDA it runs the same parts in CPU mode (the CUDA parts skip with the reason, small
@@ -45,7 +48,7 @@
 # Environment: OUT, PYTHON (default python, else python3), WHEELS (wheelhouse for an offline install),
 # GPU_CHECK_NO_INSTALL=1 (never install), GPU_CHECK_QUICK=1 (smallest settings), GPU_CHECK_PARTS
 # (comma list, default all), GPU_CHECK_BUDGET_S (whole run; GPU default 540 s), GPU_CHECK_SITE
-# (default .cache/gpu_check_site), GPU_CHECK_AUTOTUNE=1 (mamba's full autotuning), DEMO_STEPS,
+# (default .cache/gpu_check_site), GPU_CHECK_AUTOTUNE=1 (mamba's full autotuning), DEMO_STEPS, MOE_STEPS,
 # BENCH_TRAIN_MODELS (GPU default demo,1b), NVFP4_CACHE (demo corpus cache). Exit status 0 when no
 # part failed (skips are not failures), else 10 (errors.ExitCode.CHECK_FAILED).
 set -uo pipefail
@@ -61,7 +64,7 @@ EXIT_SKIPPED=77
 OUT=${OUT:-runs/gpu_check}
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 QUICK=${GPU_CHECK_QUICK:-0}
-ALL_PARTS=deps,gpu_path,cuda_tests,ssd_triton,warmup,gpu_sync,demo_bf16,resume,demo_nvfp4,bench
+ALL_PARTS=deps,gpu_path,cuda_tests,ssd_triton,warmup,gpu_sync,demo_bf16,resume,demo_nvfp4,demo_moe,bench
 PARTS=${GPU_CHECK_PARTS:-$ALL_PARTS}
 SITE=${GPU_CHECK_SITE:-$REPO/.cache/gpu_check_site}
 mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit $EXIT_UNWRITABLE; }
@@ -70,7 +73,7 @@ LOG="$OUT/gpu_check.log"
 # a rerun (e.g. of some parts) must not report an earlier run's results
 for f in deps.log deps.md deps_plan.txt deps_imports.txt plan.txt cuda_tests.log cuda_tests.xml gpu_path.log gpu_path.json \
          ssd_triton.log ssd_triton.json warmup.log warmup gpu_sync.log gpu_sync.json demo_bf16.log demo_bf16 \
-         resume.log resume demo_nvfp4.log demo_nvfp4 bench.log bench.json bench.md; do
+         resume.log resume demo_nvfp4.log demo_nvfp4 demo_moe.log demo_moe bench.log bench.json bench.md; do
     rm -rf "${OUT:?}/$f"
 done
 : > "$LOG"
@@ -173,7 +176,7 @@ write_summary() {
 import json, re, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("demo_bf16", "demo_nvfp4"):
+for name in ("demo_bf16", "demo_nvfp4", "demo_moe"):
     path, log = out / name / "metrics.jsonl", out / f"{name}.log"
     if not log.exists():
         continue
@@ -187,6 +190,10 @@ for name in ("demo_bf16", "demo_nvfp4"):
         which = "steps 3+" if warm else "all steps, incl. warm-up"
         print(f"- {name}: {len(steps)} steps, loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}, "
               f"median tokens/s ({which}) {statistics.median(tps):,.0f}")
+        busiest = [v for k, v in steps[-1].items() if re.fullmatch(r"moe/\d+/max_over_mean", k)]
+        if busiest:  # an MoE run: its last step's expert load
+            print(f"  - expert load, last step: busiest expert {max(busiest):.2f}x the mean "
+                  f"(worst of {len(busiest)} MoE layers)")
     # what ran: the run's own config, then the trainer's account (layout, precision, optimizer)
     config = out / name / "config.yaml"
     if config.exists():
@@ -345,11 +352,11 @@ else
 fi
 
 if [ "$QUICK" = 1 ]; then
-    BENCH_ARGS=(--quick --repeats 1); DEMO_STEPS=${DEMO_STEPS:-2}; DEMO_SHAPE=(trainer.seq_length=64 trainer.global_batch_size=2 trainer.micro_batch_size=2)
+    BENCH_ARGS=(--quick --repeats 1); DEMO_STEPS=${DEMO_STEPS:-2}; MOE_STEPS=${MOE_STEPS:-2}; DEMO_SHAPE=(trainer.seq_length=64 trainer.global_batch_size=2 trainer.micro_batch_size=2)
 elif [ "$MODE" = gpu ]; then
-    BENCH_ARGS=(--train-models "${BENCH_TRAIN_MODELS:-demo,1b}"); DEMO_STEPS=${DEMO_STEPS:-30}; DEMO_SHAPE=()
+    BENCH_ARGS=(--train-models "${BENCH_TRAIN_MODELS:-demo,1b}"); DEMO_STEPS=${DEMO_STEPS:-30}; MOE_STEPS=${MOE_STEPS:-10}; DEMO_SHAPE=()
 else
-    BENCH_ARGS=(--quick); DEMO_STEPS=${DEMO_STEPS:-4}; DEMO_SHAPE=(trainer.seq_length=128 trainer.global_batch_size=4 trainer.micro_batch_size=2)
+    BENCH_ARGS=(--quick); DEMO_STEPS=${DEMO_STEPS:-4}; MOE_STEPS=${MOE_STEPS:-4}; DEMO_SHAPE=(trainer.seq_length=128 trainer.global_batch_size=4 trainer.micro_batch_size=2)
 fi
 RESUME_STEPS=2  # steps trained after the checkpoint, once uninterrupted and once resumed
 # BF16 weights with FP32 main grads, megatron's DDP + distributed optimizer (DP=1 here) and, on
@@ -397,6 +404,8 @@ part resume "${TRAIN_ENV[@]}" CUBLAS_WORKSPACE_CONFIG=:4096:8 "$PYTHON" -m launc
     "$PYTHON" train.py run.dir="$OUT/resume" run.resume=auto "${RESUMABLE[@]}"
 part demo_nvfp4 "${TRAIN_ENV[@]}" "$PYTHON" train.py precision=nvfp4 precision.backend=emulated \
     run.dir="$OUT/demo_nvfp4" run.resume=never trainer.max_steps="$DEMO_STEPS" trainer.save_every=1000000 "${DEMO_COMMON[@]}"
+part demo_moe "${TRAIN_ENV[@]}" "$PYTHON" train.py model=demo_moe precision=nvfp4 precision.backend=emulated \
+    run.dir="$OUT/demo_moe" run.resume=never trainer.max_steps="$MOE_STEPS" trainer.save_every=1000000 "${DEMO_COMMON[@]}"
 part bench "${TRAIN_ENV[@]}" "$PYTHON" -m benchmarks.hardware "${BENCH_ARGS[@]}" --json "$OUT/bench.json"
 
 # -- 4. summary -----------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ GPU_PARTS = (
     Part("demo_bf16", 45, 90, "the BF16 demo, uninterrupted to its last step, checkpoint two steps before"),
     Part("resume", 30, 60, "demo_bf16 resumed from that checkpoint: same losses"),
     Part("demo_nvfp4", 50, 90, "the same with emulated NVFP4 GEMMs"),
+    Part("demo_moe", 40, 90, "the hybrid MoE demo: NVFP4 experts, megatron's all-to-all dispatcher on CUDA"),
     Part("bench", 120, 180, "GEMMs at 12B shapes, tokens/s and MFU"),
 )
 # CPU mode (CI, 2 shared cores): the GPU-only parts skip themselves within seconds.
@@ -67,6 +68,7 @@ CPU_PARTS = (
     Part("demo_bf16", 60, 180, "the small BF16 demo"),
     Part("resume", 40, 120, "demo_bf16 resumed: same losses"),
     Part("demo_nvfp4", 60, 180, "the small NVFP4 demo"),
+    Part("demo_moe", 60, 180, "the small hybrid MoE demo, NVFP4 experts"),
     Part("bench", 120, 330, "the quick bench"),
 )
 PARTS = {"gpu": GPU_PARTS, "cpu": CPU_PARTS}

@@ -278,12 +278,12 @@ def test_gpu_plan_runs_correctness_first_and_fits_one_command():
 
     names = [p.name for p in GPU_PARTS]
     assert names == ["deps", "gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync", "demo_bf16",
-                     "resume", "demo_nvfp4", "bench"]
+                     "resume", "demo_nvfp4", "demo_moe", "bench"]
     budget = BUDGET_S["gpu"]
     rows = {r["part"]: r for r in plan(GPU_PARTS, budget)}
     for name in names[:-1]:
         assert rows[name]["run"], rows[name]
-    assert not rows["bench"]["run"] and rows["bench"]["reason"].startswith("needs ~120 s, 60 s of the run's 540 s")
+    assert not rows["bench"]["run"] and rows["bench"]["reason"].startswith("needs ~120 s, 20 s of the run's 540 s")
     assert sum(p.estimate_s for p in GPU_PARTS if rows[p.name]["run"]) <= budget
     # the worst case: every part runs to its limit and is then killed (kill-after 10 s, as the
     # script's part() leaves 5 s more): the run still ends within the device's 600 s command

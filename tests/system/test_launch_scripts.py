@@ -218,7 +218,7 @@ def test_parts_past_the_runs_budget_are_skipped_with_the_reason(tmp_path):
     summary = (out / "summary.md").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:]  # skipped is not failed
     for name in ("gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync", "demo_bf16", "resume",
-                 "demo_nvfp4", "bench"):
+                 "demo_nvfp4", "demo_moe", "bench"):
         assert re.search(rf"^\| {name} \| skipped: needs ~\d+ s, \d+ s of the run's 20 s budget "
                          r"\(GPU_CHECK_BUDGET_S\) left \|", summary, flags=re.M), name
     assert "Planned from the parts' estimates" in summary
@@ -239,7 +239,7 @@ def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     rows = re.findall(r"^\| (\w+) \| (.+) \| \d+ s \|$", summary, flags=re.M)
     assert [name for name, _ in rows] == ["deps", "gpu_path", "cuda_tests", "ssd_triton", "warmup", "gpu_sync",
-                                          "demo_bf16", "resume", "demo_nvfp4", "bench"]
+                                          "demo_bf16", "resume", "demo_nvfp4", "demo_moe", "bench"]
     status = dict(rows)
     if torch.cuda.is_available():
         pytest.skip("the CPU-mode rows below are for a machine without CUDA")
@@ -247,7 +247,7 @@ def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp
         assert status[name] == "skipped: needs a CUDA device; none visible to torch", name
     assert status["cuda_tests"] == "skipped: needs a CUDA device (none visible to torch)"
     assert status["ssd_triton"].startswith("skipped: needs a CUDA device")
-    for name in ("deps", "warmup", "demo_bf16", "resume", "demo_nvfp4", "bench"):
+    for name in ("deps", "warmup", "demo_bf16", "resume", "demo_nvfp4", "demo_moe", "bench"):
         assert status[name] == "ok", (name, status[name])
     assert "- ok megatron-core" in summary
     # demo_bf16 ran 2 + 2 steps with a checkpoint at 2; the resume trained steps 3-4 from it, bitwise
@@ -265,9 +265,15 @@ def test_cpu_quick_mode_runs_every_part_and_the_resume_gives_the_same_losses(tmp
         assert (out / name).exists(), name
     assert "NO CUDA DEVICE" in proc.stdout and "No CUDA device was visible" in summary
     assert re.search(r"- demo_nvfp4: 2 steps, loss [0-9.]+ -> [0-9.]+, median tokens/s", summary)
-    assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 2
-    assert summary.count("trainer.checkpoint_layout=dp_reshardable") == 2
-    assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 2
+    # the hybrid MoE demo: its steps, its experts' load, its expert-parallel layout
+    assert re.search(r"- demo_moe: 2 steps, loss [0-9.]+ -> [0-9.]+, median tokens/s", summary)
+    assert re.search(r"  - expert load, last step: busiest expert [0-9.]+x the mean \(worst of 4 MoE "
+                     r"layers\)", summary)
+    assert "experts: expert 1 x expert tensor 1 x expert data 1" in summary
+    assert (out / "demo_moe" / "metrics.jsonl").exists()
+    assert summary.count("config: trainer.distributed_optimizer=true, trainer.recompute=full") == 3
+    assert summary.count("trainer.checkpoint_layout=dp_reshardable") == 3
+    assert summary.count("mixed precision: BF16 weights, FP32 main grads") == 3
     assert "precision nvfp4: emulated GEMMs" in summary and "## bench" in summary
     # the same resume with another learning rate: step 3 (the restored weights' forward) still
     # equal, step 4 not; the command is the one the script ran (its log line), run.dir moved
