@@ -23,7 +23,8 @@ On the TE spec the experts would be megatron's TEGroupedMLP (one grouped GEMM pe
 TEGroupedLinear; transformer/moe/experts.py:512 in mc 0.16.1), which runs NVFP4 only with TE's
 grouped NVFP4 GEMM (TransformerEngine PR #2971) and needs per-expert token counts padded for
 quantization (moe_router_padding_for_quantization, transformer_config.py:614-626). That path is
-not wired here: `te_moe_refusal` says so before a model is built.
+not wired here: `te_moe_refusal` says so before a model is built; docs/moe-te.md records the TE
+releases and shape rules it needs.
 """
 
 from __future__ import annotations
@@ -361,5 +362,5 @@ def te_moe_refusal(cfg: ModelConfig) -> str | None:
         return None
     return ("model.pattern has MoE layers ('E'), which the TE spec does not build yet: its "
             "experts need TEGroupedMLP with TE's grouped NVFP4 GEMM (TransformerEngine #2971) "
-            "and per-expert token padding for quantization, not wired or verified here; use "
-            "model.spec=portable (emulated GEMMs, SequentialMLP experts)")
+            "and per-expert token padding for quantization, not wired or verified here "
+            "(docs/moe-te.md); use model.spec=portable (emulated GEMMs, SequentialMLP experts)")
