@@ -74,8 +74,9 @@ One module, each item named (see tests/test_compat.py, which fails if upstream c
    attribute (`MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`, token_dispatcher.py:444-445 in
    0.16.1, :468-469 in core_v0.19.0), which a torch without CUDA cannot make. For the duration
    of building a model for a CPU run, that attribute holds a placeholder, so none is made; it is
-   None again afterwards (a GPU model built later makes its stream as usual). The copies themselves are model/moe.py's
-   (`PortableAlltoAllTokenDispatcher`, a subclass: on CPU tensors there is nothing to copy).
+   None again afterwards (a GPU model built later makes its stream as usual). The copies
+   themselves are model/moe.py's (`PortableAlltoAllTokenDispatcher`, a subclass: on CPU tensors
+   there is nothing to copy).
 12. `reset_moe_metrics_tracker`: megatron's process-wide MoE aux-loss tracker sizes each metric's
    per-layer row by the first model that records into it (mc 0.16.1 moe_utils.py:893-897; core
    0.18+ `MoEMetricsTracker.record`, core_v0.19.0 moe_logging.py:121-122), so a deeper model built
@@ -324,7 +325,7 @@ def te_fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
     return count
 
 
-# What item 11 holds in the dispatcher's stream attribute while a layer is built without CUDA.
+# What item 11 holds in the dispatcher's stream attribute while a model is built for a CPU run.
 NO_CUDA_STREAM = "no CUDA stream: a CPU run (compat.cpu_alltoall_dispatcher_construction)"
 
 

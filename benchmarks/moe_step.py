@@ -16,8 +16,9 @@ Tokens per second per model and precision, every case interleaved with the other
 (medians of `repeats` rounds of `steps` steps). Parts of the MoE step (benchmarks/part_timer.py;
 the innermost timed call owns the time): the router (megatron's TopKRouter: FP32 gating, top-k,
 the aux loss and the bias bookkeeping), the dispatch (megatron's all-to-all token dispatcher, its
-six stages: token counts, permute, all-to-all, sort by expert, and back), the routed experts (SequentialMLP with their
-emulated-precision linears, quantizers included) and the shared expert, in the forward. For
+six stages: token counts, permute, all-to-all, sort by expert, and back), the routed experts
+(SequentialMLP with their emulated-precision linears, quantizers included) and the shared
+expert, in the forward. For
 every model, its feed-forward layers (MoE or MLP) as a whole, forward and backward (module hooks,
 `time_ffn_layers`: autograd runs the backward, so its parts cannot be told apart without
 torch.profiler's ~10 us per op), and the optimizer, so the MoE model's deficit against its twin
@@ -47,7 +48,7 @@ from training.distributed import init_distributed, shutdown
 
 from .machine import MachineLoad, machine_summary
 from .part_timer import Part, PartTimer
-from .step_profile import _step, _TalliedGemms
+from .step_profile import _step, _TalliedGemms, demo_model_config, random_micro_batches
 
 MODELS = ("demo_moe", "dense_same_active", "demo")
 PRECISIONS = ("bf16", "nvfp4")
@@ -111,20 +112,13 @@ def time_ffn_layers(module: torch.nn.Module, seconds: dict) -> list:
 def model_config(name: str) -> ModelConfig:
     """The recipe's model with the demo tokenizer's vocabulary; `dense_same_active` is
     demo_moe with an MLP of (top-k x expert width + shared width) in place of each MoE layer."""
-    from omegaconf import OmegaConf
-
-    recipe = "demo" if name == "demo" else "demo_moe"
-    raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "recipes" / "model"
-                                                / f"{recipe}.yaml"))
-    raw.pop("defaults", None)
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
-    cfg.vocab_size = cfg.vocab_size or 4096
+    cfg = demo_model_config(recipe="demo" if name == "demo" else "demo_moe")
     if name == "dense_same_active":
         moe = cfg.moe
         cfg = dataclasses.replace(
             cfg, pattern=cfg.pattern.replace("E", "-"), moe=None,
             ffn_hidden_size=moe.topk * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size)
-    cfg.validate()
+        cfg.validate()
     return cfg
 
 
@@ -147,11 +141,8 @@ def _setup(name: str, precision: str, ctx, hooked_s: dict):
               active_parameters(cfg, built.module))
     time_ffn_layers(built.module, hooked_s)
     model, optimizer = build_data_parallel_model(built.module, TrainerConfig(), ctx)
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
-    batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(4, 256)}
-               for t in tokens.split(4)]
-    return (built.linears, model, optimizer, batches, cfg.hidden_size), params
+    return (built.linears, model, optimizer, random_micro_batches(cfg.vocab_size),
+            cfg.hidden_size), params
 
 
 def measure(models: list[str], precisions: list[str], steps: int, repeats: int) -> dict:

@@ -64,13 +64,13 @@ VARIANTS = {  # name -> (format, PrecisionConfig field overrides, trainer.recomp
 DEFAULT_VARIANTS = ("bf16", "nvfp4", "nvfp4-no-sr", "nvfp4-no-rht", "nvfp4-1x16-weights")
 
 
-def demo_model_config(hidden_size: int | None = None):
-    """recipes/model/demo.yaml as the trainer reads it, with the demo tokenizer's vocabulary
+def demo_model_config(hidden_size: int | None = None, recipe: str = "demo"):
+    """recipes/model/<recipe>.yaml as the trainer reads it, with the demo tokenizer's vocabulary
     (and another hidden size, for a larger CPU config)."""
     from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "recipes" / "model"
-                                                / "demo.yaml"))
+                                                / f"{recipe}.yaml"))
     raw.pop("defaults", None)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
     cfg.vocab_size = cfg.vocab_size or 4096
@@ -89,11 +89,15 @@ def _demo_setup(variant: str, ctx, hidden_size: int | None):
     if variant == "nvfp4-telemetry":  # what the controller sets on a telemetry step
         built.runtime_state.telemetry_rows = precision.telemetry.rows
     model, optimizer = build_data_parallel_model(built.module, TrainerConfig(), ctx)
+    return built.linears, model, optimizer, random_micro_batches(cfg.vocab_size), cfg.hidden_size
+
+
+def random_micro_batches(vocab_size: int) -> list[dict]:
+    """The profiled step's data: 2 micro-batches of 4 x 256 random tokens, the same every run."""
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=gen)
-    batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(4, 256)}
-               for t in tokens.split(4)]
-    return built.linears, model, optimizer, batches, cfg.hidden_size
+    tokens = torch.randint(0, vocab_size, (8, 257), generator=gen)
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(4, 256)}
+            for t in tokens.split(4)]
 
 
 class _TalliedGemms:
